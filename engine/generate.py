@@ -1,0 +1,205 @@
+"""Single-request generation: the plain sequential path, one frame at a time.
+
+This is the baseline the engine is measured against and the definition its batched output is
+checked against. A request is a list of clauses. Every clause is prefilled from the voice, then
+(with chaining on) the last `chain_frames` latents of the previous clause as extra voice frames,
+then the clause text; the Mimi decoder state runs on across clauses. With one clause and chaining
+off this equals the reference package.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from intone.engine.loading import LoadedModel
+from intone.engine.models.pocket.flow_head import draw_noise
+from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.text import max_gen_len, prepare_text
+from intone.engine.voices import Voice
+from torch.nn import functional as F
+
+# EOS is ignored on the first frames, as in the reference: some voices' EOS logit crosses the
+# threshold before speech starts.
+MIN_FRAMES_BEFORE_EOS = 6
+# The reference fades in the first 5 ms (sample_rate // 200) of a fresh decoder state to hide a
+# small step in its first samples.
+FADE_IN_DIVISOR = 200
+
+
+@dataclass
+class GenerationOptions:
+    temperature: float | None = None  # None: the config's default_temperature
+    eos_threshold: float | None = None  # None: the config's default_eos_threshold
+    frames_after_eos: int | None = None  # None: the config's or the text-length guess
+    max_frames: int | None = None  # per clause; None: the reference's estimate from the text
+    flow_steps: int = 1
+    noise_clamp: float | None = None
+    seed: int | None = None  # None: a fresh random seed
+    chain_frames: int = 4  # 0 turns clause chaining off
+
+    def validate(self) -> None:
+        if self.temperature is not None and not (0 <= self.temperature <= 10):
+            raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
+        if self.flow_steps < 1:
+            raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
+        if self.chain_frames < 0:
+            raise ValueError(f"chain_frames must be >= 0, got {self.chain_frames}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
+        if self.frames_after_eos is not None and self.frames_after_eos < 0:
+            raise ValueError(f"frames_after_eos must be >= 0, got {self.frames_after_eos}")
+        if self.noise_clamp is not None and self.noise_clamp <= 0:
+            raise ValueError(f"noise_clamp must be > 0, got {self.noise_clamp}")
+
+
+@dataclass
+class ClausePlan:
+    """Everything about a clause that is fixed before its first frame."""
+
+    tokens: list[int]
+    max_frames: int
+    frames_after_eos: int
+
+
+def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
+    tokens = loaded.tokenizer.encode(text)
+    frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
+    if options.max_frames is not None:
+        frames = min(frames, options.max_frames)
+    if options.frames_after_eos is not None:
+        after_eos = options.frames_after_eos
+    elif loaded.config.model_recommended_frames_after_eos is not None:
+        after_eos = loaded.config.model_recommended_frames_after_eos
+    else:
+        after_eos = frames_after_eos_guess
+    return ClausePlan(tokens, frames, after_eos)
+
+
+def chain_embeddings(loaded: LoadedModel, tail: torch.Tensor) -> torch.Tensor:
+    """Prompt embeddings for a previous clause's normalised latents: like voice frames."""
+    flow_lm = loaded.model.flow_lm
+    return F.linear(flow_lm.denormalize(tail), flow_lm.speaker_proj_weight)
+
+
+def fade_in(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
+    ramp = torch.linspace(0, 1, sample_rate // FADE_IN_DIVISOR, dtype=audio.dtype)
+    n = min(ramp.numel(), audio.shape[-1])
+    audio[..., :n] *= ramp[:n]
+    return audio
+
+
+class ClauseGenerator:
+    """Latent generation of one clause for one request: prefill, then one frame per `step`."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        voice: Voice,
+        plan: ClausePlan,
+        tail: torch.Tensor | None,
+        options: GenerationOptions,
+        generator: torch.Generator,
+    ):
+        model = loaded.model
+        self.flow_lm = model.flow_lm
+        self.plan = plan
+        self.options = options
+        self.generator = generator
+        self.temperature = (
+            loaded.config.default_temperature
+            if options.temperature is None
+            else options.temperature
+        )
+        self.eos_threshold = (
+            loaded.config.default_eos_threshold
+            if options.eos_threshold is None
+            else options.eos_threshold
+        )
+        parts = [self.flow_lm.embed_text(torch.tensor(plan.tokens, device=model.device))]
+        if tail is not None and tail.shape[0]:
+            parts.insert(0, chain_embeddings(loaded, tail))
+        prompt = torch.cat(parts)
+        capacity = voice.length + prompt.shape[0] + plan.max_frames
+        tf = self.flow_lm.transformer
+        self.pool = KVPool(len(tf.layers), capacity, tf.num_heads, tf.head_dim, device=model.device)
+        self.pool.write(torch.arange(voice.length, device=model.device), voice.keys, voice.values)
+        self.slots = torch.arange(capacity)
+        self.length = voice.length + prompt.shape[0]
+        positions, attention = plan_step(
+            self.pool, [SequenceStep(self.slots[: self.length], prompt.shape[0])]
+        )
+        self.flow_lm.backbone(prompt, positions, attention)
+        self.previous = torch.full((1, self.flow_lm.latent_dim), float("nan"), device=model.device)
+        self.step_index = 0
+        self.eos_step: int | None = None
+
+    def step(self) -> torch.Tensor | None:
+        """The next normalised latent [latent_dim], or None when the clause is over."""
+        if self.step_index >= self.plan.max_frames:
+            return None
+        self.length += 1
+        positions, attention = plan_step(self.pool, [SequenceStep(self.slots[: self.length], 1)])
+        z = self.flow_lm.backbone(self.flow_lm.embed_latents(self.previous), positions, attention)
+        is_eos = bool(self.flow_lm.eos_logit(z)[0] > self.eos_threshold)
+        noise = draw_noise(
+            [self.generator],
+            self.flow_lm.latent_dim,
+            self.temperature,
+            self.options.noise_clamp,
+            z.device,
+        )
+        latent = self.flow_lm.sample_latent(z, noise, self.options.flow_steps)
+        step = self.step_index
+        self.step_index += 1
+        if is_eos and self.eos_step is None and step >= MIN_FRAMES_BEFORE_EOS:
+            self.eos_step = step
+        if self.eos_step is not None and step >= self.eos_step + self.plan.frames_after_eos:
+            self.step_index = self.plan.max_frames
+            return None
+        self.previous = latent
+        return latent[0]
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(secrets.randbits(63) if seed is None else seed)
+    return generator
+
+
+@torch.no_grad()
+def generate_latents(
+    loaded: LoadedModel, voice: Voice, clauses: list[str], options: GenerationOptions
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(clause index, normalised latent [latent_dim]) for every frame, in order."""
+    options.validate()
+    generator = make_generator(options.seed)
+    tail: torch.Tensor | None = None
+    for index, clause in enumerate(clauses):
+        plan = plan_clause(loaded, clause, options)
+        clause_gen = ClauseGenerator(loaded, voice, plan, tail, options, generator)
+        latents = []
+        while (latent := clause_gen.step()) is not None:
+            latents.append(latent)
+            yield index, latent
+        if options.chain_frames and latents:
+            tail = torch.stack(latents[-options.chain_frames :])
+
+
+@torch.no_grad()
+def generate(
+    loaded: LoadedModel, voice: Voice, clauses: list[str], options: GenerationOptions
+) -> Iterator[torch.Tensor]:
+    """Audio frames [samples_per_frame] (float32, model rate) for the clauses, streamed."""
+    model = loaded.model
+    state = model.mimi.init_decoder_state(1, model.device)
+    first = True
+    for _, latent in generate_latents(loaded, voice, clauses, options):
+        audio = model.mimi.decode(model.flow_lm.denormalize(latent)[None, None], state)[0, 0]
+        if first:
+            audio = fade_in(audio, model.sample_rate)
+            first = False
+        yield audio.cpu()

@@ -1,0 +1,168 @@
+"""The sampling head: an AdaLN MLP that turns Gaussian noise into the next latent.
+
+It is conditioned on the backbone output z and on flow times. `sample` draws each row's noise from
+that row's own generator, so a request's latent never depends on its batch neighbours.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.alpha = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The released weights were trained with variance (not mean square) normalisation.
+        var = self.eps + x.var(dim=-1, keepdim=True)
+        return (x * (self.alpha.to(var) * torch.rsqrt(var))).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Plain LayerNorm whose affine part may be absent, with the reference's parameter names."""
+
+    def __init__(self, channels: int, eps: float = 1e-6, elementwise_affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(channels))
+            self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=-1, keepdim=True)
+        var = x.var(dim=-1, unbiased=False, keepdim=True)
+        x = (x - mean) / torch.sqrt(var + self.eps)
+        if hasattr(self, "weight"):
+            x = x * self.weight + self.bias
+        return x
+
+
+class TimestepEmbedder(nn.Module):
+    freqs: torch.Tensor
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+            RMSNorm(hidden_size),
+        )
+        half = frequency_embedding_size // 2
+        self.register_buffer("freqs", torch.exp(-math.log(10000) * torch.arange(half) / half))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        args = t * self.freqs.to(t.dtype)
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+
+
+class ResBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.in_ln = LayerNorm(channels, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels)
+        )
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        shift, scale, gate = self.adaLN_modulation(y).chunk(3, dim=-1)
+        return x + gate * self.mlp(_modulate(self.in_ln(x), shift, scale))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, model_channels: int, out_channels: int):
+        super().__init__()
+        self.norm_final = LayerNorm(model_channels, eps=1e-6, elementwise_affine=False)
+        self.linear = nn.Linear(model_channels, out_channels)
+        self.adaLN_modulation = nn.Sequential(
+            nn.SiLU(), nn.Linear(model_channels, 2 * model_channels)
+        )
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(_modulate(self.norm_final(x), shift, scale))
+
+
+class FlowHead(nn.Module):
+    """`SimpleMLPAdaLN` of the reference: velocity(z, times..., x)."""
+
+    def __init__(
+        self,
+        latent_dim: int,
+        model_channels: int,
+        cond_channels: int,
+        num_res_blocks: int,
+        flow_type: str,
+    ):
+        super().__init__()
+        if flow_type not in ("lsd", "flow_matching"):
+            raise ValueError(f"unsupported flow type {flow_type!r}: use 'lsd' or 'flow_matching'")
+        self.flow_type = flow_type
+        self.num_time_conds = 2 if flow_type == "lsd" else 1
+        self.time_embed = nn.ModuleList(
+            TimestepEmbedder(model_channels) for _ in range(self.num_time_conds)
+        )
+        self.cond_embed = nn.Linear(cond_channels, model_channels)
+        self.input_proj = nn.Linear(latent_dim, model_channels)
+        self.res_blocks = nn.ModuleList(ResBlock(model_channels) for _ in range(num_res_blocks))
+        self.final_layer = FinalLayer(model_channels, latent_dim)
+
+    def forward(self, z: torch.Tensor, *times_and_x: torch.Tensor) -> torch.Tensor:
+        *times, x = times_and_x
+        x = self.input_proj(x)
+        y = self.cond_embed(z)
+        y = y + sum(emb(t) for emb, t in zip(self.time_embed, times, strict=True)) / len(times)
+        for block in self.res_blocks:
+            x = block(x, y)
+        return self.final_layer(x, y)
+
+    def sample(self, z: torch.Tensor, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Integrate the flow from noise [B, latent] to a latent, conditioned on z [B, cond]."""
+        current = noise
+        ones = torch.ones_like(noise[..., :1])
+        for i in range(num_steps):
+            if self.flow_type == "lsd":
+                s, t = i / num_steps, (i + 1) / num_steps
+                current = current + self(z, s * ones, t * ones, current) / num_steps
+            else:
+                current = current + self(z, (i / num_steps) * ones, current) / num_steps
+        return current
+
+
+def draw_noise(
+    generators: list[torch.Generator | None],
+    latent_dim: int,
+    temperature: float | list[float],
+    noise_clamp: float | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One noise row per request, each from that request's own generator, never the global RNG.
+
+    std = sqrt(temperature); with a clamp the draw is a truncated normal, as in the reference.
+    """
+    temps = temperature if isinstance(temperature, list) else [temperature] * len(generators)
+    rows = []
+    for generator, temp in zip(generators, temps, strict=True):
+        row = torch.empty(latent_dim)
+        std = temp**0.5
+        if temp == 0:
+            row.zero_()
+        elif generator is None:
+            raise ValueError("sampling at temperature > 0 needs a per-request generator")
+        elif noise_clamp is None:
+            row.normal_(0.0, std, generator=generator)
+        else:
+            nn.init.trunc_normal_(row, 0.0, std, -noise_clamp, noise_clamp, generator=generator)
+        rows.append(row)
+    return torch.stack(rows).to(device)

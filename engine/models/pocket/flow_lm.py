@@ -1,0 +1,98 @@
+"""The FlowLM: text/voice/audio-latent backbone, EOS head and flow sampling head.
+
+It works on packed tokens [N, D] with a position per token, so one call can mix prompts of
+different lengths and requests at different generation steps. Parameter names follow the released
+checkpoint (`flow_lm.*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from intone.engine.models.pocket.config import FlowLMConfig
+from intone.engine.models.pocket.flow_head import FlowHead
+from intone.engine.models.pocket.transformer import KVCache, Transformer
+from torch import nn
+from torch.nn import functional as F
+
+
+class LUTConditioner(nn.Module):
+    """Token embedding table; n_bins + 1 rows because the last one was the training padding."""
+
+    def __init__(self, n_bins: int, dim: int):
+        super().__init__()
+        self.embed = nn.Embedding(n_bins + 1, dim)
+
+
+class FlowLM(nn.Module):
+    emb_std: torch.Tensor
+    emb_mean: torch.Tensor
+
+    def __init__(self, config: FlowLMConfig, latent_dim: int, voice_latent_dim: int):
+        super().__init__()
+        unsupported = {
+            "z_dim": config.z_dim,
+            "attn_dim": config.transformer.attn_dim,
+            "num_kv_heads": config.transformer.num_kv_heads,
+            "lookup_table.rank": config.lookup_table.rank,
+        }
+        if any(v is not None for v in unsupported.values()):
+            raise ValueError(
+                "intone supports the released Pocket TTS architecture; these config options "
+                f"are not supported: { {k: v for k, v in unsupported.items() if v is not None} }"
+            )
+        tcfg = config.transformer
+        dim = tcfg.d_model
+        self.dim = dim
+        self.latent_dim = latent_dim
+        self.conditioner = LUTConditioner(config.lookup_table.n_bins, config.lookup_table.dim)
+        self.flow_net = FlowHead(
+            latent_dim, config.flow.dim, dim, config.flow.depth, config.flow.type
+        )
+        self.transformer = Transformer(
+            d_model=dim,
+            num_heads=tcfg.num_heads,
+            num_layers=tcfg.num_layers,
+            dim_feedforward=tcfg.dim_feedforward or dim * tcfg.hidden_scale,
+            max_period=float(tcfg.max_period),
+        )
+        self.register_buffer("emb_std", torch.ones(latent_dim))
+        self.register_buffer("emb_mean", torch.zeros(latent_dim))
+        self.bos_emb = nn.Parameter(torch.randn(latent_dim))
+        self.insert_bos_before_voice = config.insert_bos_before_voice
+        if self.insert_bos_before_voice:
+            self.bos_before_voice = nn.Parameter(torch.randn(1, 1, dim))
+        self.input_linear = nn.Linear(latent_dim, dim, bias=False)
+        self.out_norm = nn.LayerNorm(dim, eps=1e-5)
+        self.out_eos = nn.Linear(dim, 1)
+        self.speaker_proj_weight = nn.Parameter(torch.randn(dim, voice_latent_dim) * 0.02)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.transformer.layers)
+
+    def embed_text(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.conditioner.embed(tokens)
+
+    def embed_voice(self, voice_latents: torch.Tensor) -> torch.Tensor:
+        """Voice-prompt embeddings [T, D] from de-normalised Mimi latents [T, latent]."""
+        embeddings = F.linear(voice_latents.to(torch.float32), self.speaker_proj_weight)
+        if self.insert_bos_before_voice:
+            embeddings = torch.cat([self.bos_before_voice[0], embeddings], dim=0)
+        return embeddings
+
+    def embed_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Backbone inputs [N, D] from normalised latents [N, latent]; NaN rows mean BOS."""
+        latents = torch.where(torch.isnan(latents), self.bos_emb, latents)
+        return self.input_linear(latents)
+
+    def backbone(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.out_norm(self.transformer(x, positions, cache))
+
+    def eos_logit(self, z: torch.Tensor) -> torch.Tensor:
+        return self.out_eos(z.to(torch.float32))[..., 0]
+
+    def sample_latent(self, z: torch.Tensor, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+        return self.flow_net.sample(z.to(torch.float32), noise, num_steps)
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents * self.emb_std + self.emb_mean

@@ -1,0 +1,34 @@
+"""The Pocket TTS model as one module whose state_dict is the released checkpoint's layout."""
+
+from __future__ import annotations
+
+import torch
+from intone.engine.models.pocket.config import Config
+from intone.engine.models.pocket.flow_lm import FlowLM
+from intone.engine.models.pocket.mimi import Mimi
+from torch import nn
+
+# Keys only the voice-cloning release carries: without them a voice must come as a voice state.
+ENCODER_PREFIXES = ("mimi.encoder.", "mimi.encoder_transformer.", "mimi.downsample.")
+
+
+class PocketTTS(nn.Module):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        voice_latent_dim = config.mimi.inner_dim or config.mimi.seanet.dimension
+        self.flow_lm = FlowLM(config.flow_lm, config.latent_dim, voice_latent_dim)
+        self.mimi = Mimi(config.mimi)
+        self.has_voice_encoder = True
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.config.samples_per_frame
+
+    @property
+    def device(self) -> torch.device:
+        return self.flow_lm.input_linear.weight.device

@@ -1,0 +1,127 @@
+"""Pre-LN transformer layers shared by the FlowLM backbone and the Mimi decoder.
+
+Attention never owns its keys and values. It computes q/k/v, rotates them at each token's own
+position, and hands them to a `KVCache`, which stores them wherever its owner keeps state (flat
+slots for FlowLM, a per-row sliding window for Mimi) and runs the attention. That is what lets one
+batch mix requests at different positions with different histories.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class KVCache(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's k/v for `layer` and return attention output shaped like q.
+
+        q, k, v: [..., T, H, D] with the leading dims the cache expects.
+        """
+        ...
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_period: float) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [..., H, D] by angle pos * freq_i.
+
+    positions has x's shape minus the last two dims. Computed in float32, as the reference does.
+    """
+    d = x.shape[-1]
+    freqs = torch.exp(
+        torch.arange(d // 2, device=x.device, dtype=torch.float32) * (-math.log(max_period) * 2 / d)
+    )
+    angles = positions.to(torch.float32)[..., None, None] * freqs
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    pairs = x.view(*x.shape[:-1], d // 2, 2).float()
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.to(x.dtype).view_as(x)
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, max_period: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.max_period = max_period
+        # Fused q/k/v projection: the released weights store it as one matrix.
+        self.in_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        qkv = self.in_proj(x).view(*lead, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=-3)
+        q = apply_rope(q, positions, self.max_period)
+        k = apply_rope(k, positions, self.max_period)
+        out = cache.attend(layer, q, k, v)
+        return self.out_proj(out.reshape(*lead, -1))
+
+
+class LayerScale(nn.Module):
+    def __init__(self, channels: int, init: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((channels,), init))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dim_feedforward: int,
+        max_period: float,
+        layer_scale: float | None = None,
+    ):
+        super().__init__()
+        self.self_attn = MultiheadAttention(d_model, num_heads, max_period)
+        self.norm1 = nn.LayerNorm(d_model, eps=1e-5)
+        self.norm2 = nn.LayerNorm(d_model, eps=1e-5)
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=False)
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=False)
+        if layer_scale is None:
+            self.layer_scale_1: nn.Module = nn.Identity()
+            self.layer_scale_2: nn.Module = nn.Identity()
+        else:
+            self.layer_scale_1 = LayerScale(d_model, layer_scale)
+            self.layer_scale_2 = LayerScale(d_model, layer_scale)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), positions, cache, layer))
+        update = self.linear2(F.gelu(self.linear1(self.norm2(x)), approximate="tanh"))
+        return x + self.layer_scale_2(update)
+
+
+class Transformer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        dim_feedforward: int,
+        max_period: float = 10_000.0,
+        layer_scale: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.layers = nn.ModuleList(
+            TransformerLayer(d_model, num_heads, dim_feedforward, max_period, layer_scale)
+            for _ in range(num_layers)
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x = layer(x, positions, cache, index)
+        return x

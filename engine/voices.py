@@ -1,0 +1,107 @@
+"""Voices: the prompt that sets who is speaking, kept as the backbone's keys and values.
+
+A voice comes from audio (encoded by Mimi, projected, and prefilled once) or from a reference
+voice-state file (already prefilled keys and values). Either way it ends up as per-layer K/V for
+its prompt positions, which every request with that voice reuses instead of prefilling again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors
+import torch
+from intone.engine.audio import end_on_pause, read_audio, resample
+from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.model import PocketTTS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Voice:
+    name: str
+    keys: torch.Tensor  # [layers, T, H, D], rotated as stored in a cache
+    values: torch.Tensor  # [layers, T, H, D]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_rate: int) -> Voice:
+    """Voice from mono float samples [T] at any rate."""
+    if not model.has_voice_encoder:
+        raise ValueError(
+            "these weights have no Mimi encoder (the release without voice cloning): voices "
+            "must be voice-state .safetensors files, not audio. Get access to kyutai/pocket-tts "
+            "for voice cloning."
+        )
+    if samples.numel() == 0:
+        raise ValueError(f"voice {name!r} has no audio")
+    samples = torch.as_tensor(
+        resample(samples.numpy(), sample_rate, model.sample_rate), dtype=torch.float32
+    )
+    prompt = end_on_pause(samples[None], model.sample_rate)
+    with torch.no_grad():
+        latents = model.mimi.encode(prompt[None].to(model.device))[0]
+        embeddings = model.flow_lm.embed_voice(latents)
+        return _prefill_voice(model, name, embeddings)
+
+
+def _prefill_voice(model: PocketTTS, name: str, embeddings: torch.Tensor) -> Voice:
+    flow_lm = model.flow_lm
+    length = embeddings.shape[0]
+    pool = KVPool(
+        flow_lm.num_layers,
+        length,
+        flow_lm.transformer.num_heads,
+        flow_lm.transformer.head_dim,
+        device=model.device,
+    )
+    positions, attention = plan_step(pool, [SequenceStep(torch.arange(length), length)])
+    flow_lm.backbone(embeddings, positions, attention)
+    return Voice(name, pool.keys, pool.values)
+
+
+def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
+    """Voice from a pocket-tts voice-state file (`pocket-tts export-voice`, predefined voices)."""
+    flow_lm = model.flow_lm
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:
+        raise ValueError(f"cannot read voice state {path}: {e}") from e
+    keys, values = [], []
+    for layer in range(flow_lm.num_layers):
+        prefix = f"transformer.layers.{layer}.self_attn"
+        cache = tensors.get(f"{prefix}/cache")
+        if cache is None:
+            raise ValueError(f"voice state {path} has no {prefix}/cache: not a voice-state file")
+        if f"{prefix}/offset" in tensors:
+            length = int(tensors[f"{prefix}/offset"].view(-1)[0])
+        elif f"{prefix}/current_end" in tensors:
+            length = tensors[f"{prefix}/current_end"].shape[0]
+        else:
+            length = cache.shape[2]
+        expected = (flow_lm.transformer.num_heads, flow_lm.transformer.head_dim)
+        if cache.dim() != 5 or tuple(cache.shape[3:]) != expected or length == 0:
+            raise ValueError(
+                f"voice state {path} does not fit this model: cache {tuple(cache.shape)}, "
+                f"length {length}, model heads/head_dim {expected}"
+            )
+        keys.append(cache[0, 0, :length])
+        values.append(cache[1, 0, :length])
+    return Voice(name, torch.stack(keys).to(model.device), torch.stack(values).to(model.device))
+
+
+def load_voice(model: PocketTTS, name: str, path: str | Path) -> Voice:
+    """A voice from a WAV (or any audio soundfile reads) or a voice-state .safetensors."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return voice_from_state_file(model, name, path)
+    samples, sample_rate = read_audio(path)
+    logger.info("encoding voice %r from %s", name, path)
+    return voice_from_audio(model, name, torch.from_numpy(samples), sample_rate)
