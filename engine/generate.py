@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
+
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
 from intone.engine.text import max_gen_len, prepare_text
 from intone.engine.voices import Voice
-from torch.nn import functional as F
 
 # EOS is ignored on the first frames, as in the reference: some voices' EOS logit crosses the
 # threshold before speech starts.

@@ -14,6 +14,7 @@ import safetensors
 import safetensors.torch
 import torch
 import yaml
+
 from intone.engine.models.pocket.config import Config, load_config
 from intone.engine.models.pocket.model import ENCODER_PREFIXES, PocketTTS
 from intone.engine.text import TextOptions, Tokenizer

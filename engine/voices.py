@@ -13,6 +13,7 @@ from pathlib import Path
 
 import safetensors
 import torch
+
 from intone.engine.audio import end_on_pause, read_audio, resample
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
 from intone.engine.models.pocket.model import PocketTTS

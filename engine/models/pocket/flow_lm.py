@@ -8,11 +8,12 @@ checkpoint (`flow_lm.*`).
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
 from intone.engine.models.pocket.config import FlowLMConfig
 from intone.engine.models.pocket.flow_head import FlowHead
 from intone.engine.models.pocket.transformer import KVCache, Transformer
-from torch import nn
-from torch.nn import functional as F
 
 
 class LUTConditioner(nn.Module):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
 from intone.engine.models.pocket.config import MimiConfig, MimiTransformerConfig, SEANetConfig
 from intone.engine.models.pocket.conv import (
     State,
@@ -20,8 +23,6 @@ from intone.engine.models.pocket.conv import (
     StreamingModule,
 )
 from intone.engine.models.pocket.transformer import Transformer
-from torch import nn
-from torch.nn import functional as F
 
 
 class SEANetResnetBlock(nn.Module):

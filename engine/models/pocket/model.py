@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from intone.engine.models.pocket.config import Config
 from intone.engine.models.pocket.flow_lm import FlowLM
 from intone.engine.models.pocket.mimi import Mimi
-from torch import nn
 
 # Keys only the voice-cloning release carries: without them a voice must come as a voice state.
 ENCODER_PREFIXES = ("mimi.encoder.", "mimi.encoder_transformer.", "mimi.downsample.")

@@ -1,0 +1,113 @@
+"""The `intone` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def _make_checkpoint(args: argparse.Namespace) -> None:
+    from intone.engine.checkpoint import make_checkpoint
+
+    out = make_checkpoint(args.preset, args.out, seed=args.seed)
+    logger.info("wrote the %s checkpoint to %s", args.preset, out)
+
+
+def _say(args: argparse.Namespace) -> None:
+    import torch
+
+    from intone.engine.audio import write_wav
+    from intone.engine.generate import GenerationOptions, generate
+    from intone.engine.loading import load_model
+    from intone.engine.text import split_clauses
+    from intone.engine.voices import load_voice
+
+    loaded = load_model(args.model)
+    voice_path = args.voice or (
+        loaded.voices.get(loaded.default_voice or "") if loaded.voices else None
+    )
+    if voice_path is None:
+        raise SystemExit("this checkpoint has no default voice: pass --voice WAV")
+    from intone.engine.loading import fetch
+
+    voice = load_voice(loaded.model, "voice", fetch(voice_path, "voice"))
+    options = GenerationOptions(
+        temperature=args.temperature,
+        eos_threshold=args.eos_threshold,
+        frames_after_eos=args.frames_after_eos,
+        max_frames=args.max_frames,
+        seed=args.seed,
+        chain_frames=args.chain_frames,
+    )
+    clauses = split_clauses(loaded.tokenizer, args.text)
+    audio = torch.cat(list(generate(loaded, voice, clauses, options)))
+    write_wav(args.out, audio.numpy().astype(np.float32), loaded.sample_rate, float32=args.float)
+    logger.info(
+        "wrote %.2f s of audio (%d clauses) to %s",
+        audio.numel() / loaded.sample_rate,
+        len(clauses),
+        args.out,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="intone", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser(
+        "make-checkpoint",
+        help="write an offline checkpoint: random weights in the released layout, a locally "
+        "trained tokenizer and a synthesised default voice",
+    )
+    make.add_argument("--preset", choices=["tiny", "full"], required=True)
+    make.add_argument("--out", type=Path, required=True)
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(run=_make_checkpoint)
+
+    say = commands.add_parser("say", help="synthesise TEXT to a WAV file")
+    say.add_argument("text")
+    say.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
+        "kyutai/pocket-tts English model)",
+    )
+    say.add_argument("--voice", default=None, help="voice WAV or voice-state .safetensors")
+    say.add_argument("--out", type=Path, required=True)
+    say.add_argument("--temperature", type=float, default=None)
+    say.add_argument("--seed", type=int, default=None)
+    say.add_argument("--eos-threshold", type=float, default=None)
+    say.add_argument("--frames-after-eos", type=int, default=None)
+    say.add_argument("--max-frames", type=int, default=None, help="frame limit per clause")
+    say.add_argument(
+        "--chain-frames", type=int, default=4, help="latents carried into the next clause"
+    )
+    say.add_argument("--float", action="store_true", help="write 32-bit float WAV")
+    say.set_defaults(run=_say)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from intone.engine.loading import ModelUnavailableError
+
+    try:
+        args.run(args)
+    except (ModelUnavailableError, ValueError) as e:
+        logger.error("%s", e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
