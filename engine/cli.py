@@ -29,14 +29,10 @@ def _say(args: argparse.Namespace) -> None:
     from intone.engine.voices import load_voice
 
     loaded = load_model(args.model)
-    voice_path = args.voice or (
-        loaded.voices.get(loaded.default_voice or "") if loaded.voices else None
-    )
-    if voice_path is None:
-        raise SystemExit("this checkpoint has no default voice: pass --voice WAV")
-    from intone.engine.loading import fetch
-
-    voice = load_voice(loaded.model, "voice", fetch(voice_path, "voice"))
+    voice_name = args.voice or loaded.default_voice
+    if voice_name is None:
+        raise ValueError("this checkpoint has no default voice: pass --voice WAV")
+    voice = load_voice(loaded.model, voice_name, loaded.voices.get(voice_name, voice_name))
     options = GenerationOptions(
         temperature=args.temperature,
         eos_threshold=args.eos_threshold,
@@ -79,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
         "kyutai/pocket-tts English model)",
     )
-    say.add_argument("--voice", default=None, help="voice WAV or voice-state .safetensors")
+    say.add_argument(
+        "--voice",
+        default=None,
+        help="voice name, audio file or voice-state .safetensors (default: the model's)",
+    )
     say.add_argument("--out", type=Path, required=True)
     say.add_argument("--temperature", type=float, default=None)
     say.add_argument("--seed", type=int, default=None)

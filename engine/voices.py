@@ -15,6 +15,7 @@ import safetensors
 import torch
 
 from intone.engine.audio import end_on_pause, read_audio, resample
+from intone.engine.loading import fetch
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 
@@ -98,9 +99,12 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
     return Voice(name, torch.stack(keys).to(model.device), torch.stack(values).to(model.device))
 
 
-def load_voice(model: PocketTTS, name: str, path: str | Path) -> Voice:
-    """A voice from a WAV (or any audio soundfile reads) or a voice-state .safetensors."""
-    path = Path(path)
+def load_voice(model: PocketTTS, name: str, source: str | Path) -> Voice:
+    """A voice from audio (any format soundfile reads) or a voice-state .safetensors.
+
+    `source` is a local path or an hf:// path.
+    """
+    path = fetch(str(source), f"voice {name!r}")
     if path.suffix == ".safetensors":
         return voice_from_state_file(model, name, path)
     samples, sample_rate = read_audio(path)

@@ -1,0 +1,469 @@
+"""Text side of the engine: tokenizer, prompt preparation and splitting text into chunks.
+
+Two splitters live here:
+
+* `split_text` is the reference's one-shot chunking (`split_into_best_sentences`), kept
+  byte-for-byte equal so a single request reproduces `pocket_tts` exactly.
+* `ClauseSplitter` cuts text that arrives piecewise (an LLM's token stream) into clauses. Its
+  boundaries depend only on the text and on explicit `flush()` calls, never on how the text was
+  cut into `push()` calls, so streamed and one-shot input (`split_clauses`) give the same clauses.
+
+Neither splitter is what makes a clause speakable: `prepare_text` (capitalisation, terminal
+punctuation, ...) is applied to every chunk or clause just before it is tokenized for the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Protocol
+
+import sentencepiece
+import tokenizers
+
+logger = logging.getLogger(__name__)
+
+# The reference's MAX_TOKEN_PER_CHUNK: longer chunks make the model skip words.
+MAX_TOKENS_PER_CHUNK = 50
+# `TTSModel._estimate_max_gen_len`: speech runs at about 3 tokens a second, plus 2 s of slack.
+_TOKENS_PER_SECOND = 3.0
+_GEN_SECONDS_PADDING = 2.0
+# `generate_audio_stream` adds this to the guess of `prepare_text_prompt`.
+_EXTRA_FRAMES_AFTER_EOS = 2
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class Codec(Encoder, Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class Tokenizer:
+    """A SentencePiece `.model` or a HuggingFace `tokenizers` `.json` file, from a local path.
+
+    The backend is picked like the reference's `build_tokenizer`: `kind` "tokenizers" or "json",
+    or a `.json` suffix, selects `tokenizers`; "sentencepiece" otherwise. Both formats of the
+    released vocabulary give the same ids.
+    """
+
+    def __init__(self, n_bins: int, path: str | Path, kind: str = "sentencepiece") -> None:
+        path = Path(path)
+        if kind not in ("sentencepiece", "tokenizers", "json"):
+            raise ValueError(
+                f"unknown tokenizer kind {kind!r}: expected 'sentencepiece', 'tokenizers' or 'json'"
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {path}")
+        self.path = path
+        self._sp: sentencepiece.SentencePieceProcessor | None = None
+        self._hf: tokenizers.Tokenizer | None = None
+        if kind in ("tokenizers", "json") or path.suffix == ".json":
+            self.kind = "tokenizers"
+            self._hf = tokenizers.Tokenizer.from_file(str(path))
+            vocab_size = self._hf.get_vocab_size()
+        else:
+            self.kind = "sentencepiece"
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+            vocab_size = self._sp.vocab_size()
+        if vocab_size != n_bins:
+            # The lookup table has n_bins rows (+1 for padding): ids would index the wrong rows.
+            raise ValueError(
+                f"tokenizer {path} has vocab size {vocab_size}, but the model's lookup table "
+                f"expects n_bins={n_bins}"
+            )
+        self.vocab_size = vocab_size
+        logger.debug("loaded %s tokenizer %s (%d tokens)", self.kind, path, vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        if self._hf is not None:
+            return self._hf.encode(text).ids
+        assert self._sp is not None
+        return self._sp.encode(text, out_type=int)
+
+    def decode(self, ids: list[int]) -> str:
+        if self._hf is not None:
+            return self._hf.decode(list(ids))
+        assert self._sp is not None
+        return self._sp.decode(list(ids))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """The text fields of the checkpoint config; defaults are the reference `Config`'s."""
+
+    pad_with_spaces_for_short_inputs: bool = False
+    remove_semicolons: bool = False
+    append_terminal_punctuation: bool = True
+    capitalize_first_letter: bool = True
+    replace_characters: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Any) -> TextOptions:
+        """From `intone.engine.models.pocket.config.Config` (or anything with the same fields)."""
+        return cls(
+            pad_with_spaces_for_short_inputs=config.pad_with_spaces_for_short_inputs,
+            remove_semicolons=config.remove_semicolons,
+            append_terminal_punctuation=config.append_terminal_punctuation,
+            capitalize_first_letter=config.capitalize_first_letter,
+            replace_characters=dict(config.replace_characters or {}),
+        )
+
+
+_TERMINAL_PUNCTUATION = ".!?\u2026"
+_WEAK_PUNCTUATION = ",;:-\u2013\u2014"
+_CLOSERS = "\"'\u201d\u2019)]\u00bb"
+
+
+def prepare_text(text: str, options: TextOptions | None = None) -> tuple[str, int]:
+    """The reference's `prepare_text_prompt`: returns (prompt, default frames_after_eos).
+
+    The second value is the EFFECTIVE default frames_after_eos: the reference's guess (3 for
+    four words or fewer, else 1) plus the 2 that `generate_audio_stream` adds to it.
+    Raises ValueError when the text is empty or only whitespace.
+    """
+    o = options or TextOptions()
+    text = text.strip()
+    if o.replace_characters:
+        text = " ".join(text.translate(str.maketrans(o.replace_characters)).split())
+        # Deleted quotes leave '"Hi?", she said' as 'Hi?, she said': keep the sentence mark only.
+        text = re.sub(r"([.!?\u2026])\s*[,;:]", r"\1", text)
+    if text == "":
+        raise ValueError("Text prompt cannot be empty (it is empty or only whitespace)")
+    text = text.replace("\n", " ").replace("\r", " ").replace("  ", " ")
+    if o.remove_semicolons:
+        text = text.replace(";", ",")
+    frames_after_eos_guess = 3 if len(text.split()) <= 4 else 1
+    if o.capitalize_first_letter and not text[0].isupper():
+        text = text[0].upper() + text[1:]
+    if o.append_terminal_punctuation:
+        text = _ensure_terminal_punctuation(text)
+    # The model does poorly on very few tokens; leading spaces add some.
+    if o.pad_with_spaces_for_short_inputs and len(text.split()) < 5:
+        text = " " * 8 + text
+    return text, frames_after_eos_guess
+
+
+def _ensure_terminal_punctuation(text: str) -> str:
+    """End with . ! ? or …, as the training sentences do (else the last word suffers)."""
+    core = text.rstrip(_CLOSERS + " ")
+    closers = text[len(core) :].strip()
+    if not core or core[-1] in _TERMINAL_PUNCTUATION:
+        return text
+    if core[-1] in _WEAK_PUNCTUATION:
+        return core.rstrip(_WEAK_PUNCTUATION + " ") + "." + closers
+    return text + "."
+
+
+def max_gen_len(token_count: int, frame_rate: float = 12.5) -> int:
+    """Frames to allow for `token_count` text tokens (the reference's `_estimate_max_gen_len`)."""
+    return math.ceil((token_count / _TOKENS_PER_SECOND + _GEN_SECONDS_PADDING) * frame_rate)
+
+
+# --- one-shot chunking, identical to pocket_tts.models.text_chunking.split_into_best_sentences
+
+
+def _is_decimal_period_boundary(ids: list[int], start: int, tokenizer: Codec) -> bool:
+    prefix = tokenizer.decode(ids[:start])
+    suffix = tokenizer.decode(ids[start:])
+    return (
+        len(prefix) >= 2
+        and prefix[-1] == "."
+        and prefix[-2].isdigit()
+        and bool(suffix)
+        and suffix[0].isdigit()
+    )
+
+
+def _boundary_indices(
+    ids: list[int], boundary_ids: list[int], tokenizer: Codec | None = None
+) -> list[int]:
+    """Segment starts: the first non-boundary token after a run of boundary tokens.
+
+    With a tokenizer, a start right after a decimal period ("3.5") is skipped.
+    """
+    boundary_set = set(boundary_ids)
+    indices = [0]
+    previous_was_boundary = False
+    for idx, token in enumerate(ids):
+        if token in boundary_set:
+            previous_was_boundary = True
+            continue
+        if previous_was_boundary and not (
+            tokenizer is not None and _is_decimal_period_boundary(ids, idx, tokenizer)
+        ):
+            indices.append(idx)
+        previous_was_boundary = False
+    indices.append(len(ids))
+    return indices
+
+
+def _segments(ids: list[int], bounds: list[int], tokenizer: Codec) -> list[tuple[int, str]]:
+    return [(end - start, tokenizer.decode(ids[start:end])) for start, end in pairwise(bounds)]
+
+
+def split_text(
+    tokenizer: Codec,
+    text: str,
+    options: TextOptions | None = None,
+    max_tokens: int = MAX_TOKENS_PER_CHUNK,
+) -> list[str]:
+    """The reference's `split_into_best_sentences`: the chunks a long text is generated in.
+
+    Sentences (split on . ! ... ? tokens, not inside decimals) are greedily packed into chunks
+    of at most `max_tokens` tokens; a longer sentence is first split on , ; : tokens. Chunks are
+    returned unprepared: pass each through `prepare_text`, as the reference does.
+    """
+    text, _ = prepare_text(text, options)
+    ids = tokenizer.encode(text.strip())
+    # The first token of each probe is the word-start marker, not punctuation.
+    _, *sentence_end_ids = tokenizer.encode(".!...?")
+    sentences = _segments(ids, _boundary_indices(ids, sentence_end_ids, tokenizer), tokenizer)
+
+    # Oversized sentences are sub-split on commas, semicolons and colons so no words are skipped.
+    _, *fallback_ids = tokenizer.encode(",;:")
+    segments: list[tuple[int, str]] = []
+    for n_tokens, sentence in sentences:
+        if n_tokens > max_tokens:
+            sub_ids = tokenizer.encode(sentence.strip())
+            subs = _segments(sub_ids, _boundary_indices(sub_ids, fallback_ids), tokenizer)
+            if len(subs) > 1:
+                segments.extend(subs)
+                continue
+        segments.append((n_tokens, sentence))
+
+    chunks: list[str] = []
+    current, current_tokens = "", 0
+    for n_tokens, segment in segments:
+        if current == "":
+            current, current_tokens = segment, n_tokens
+        elif current_tokens + n_tokens > max_tokens:
+            chunks.append(current.strip())
+            current, current_tokens = segment, n_tokens
+        else:
+            current += " " + segment
+            current_tokens += n_tokens
+    if current != "":
+        chunks.append(current.strip())
+
+    for chunk in chunks:
+        n_tokens = len(tokenizer.encode(chunk.strip()))
+        if n_tokens > max_tokens:
+            logger.warning(
+                "Chunk has %d tokens (max %d), generation may skip words: '%.50s...'",
+                n_tokens,
+                max_tokens,
+                chunk,
+            )
+    return chunks
+
+
+# --- streaming clause splitting
+
+_SENTENCE_END = ".!?\u2026"
+_CLAUSE_PUNCTUATION = ",;:\u2014\u2013"
+_OPENERS = "\"'([{\u201c\u2018\u00ab"
+# A period after these does not end a sentence. Dotted initialisms ("e.g.", "U.S.", "J.") are
+# recognised by shape instead.
+_ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "approx", "cf", "fig"}
+)
+# Upper bound on tokens per character (a byte-fallback character is up to 4 byte tokens), so
+# that short words skip the per-character token count.
+_MAX_TOKENS_PER_CHAR = 4
+
+
+def _is_abbreviation(core: str) -> bool:
+    """Whether the period ending `core` closes an abbreviation rather than a sentence."""
+    stem = core.split()[-1].lstrip(_OPENERS)[:-1].lower()
+    if stem in _ABBREVIATIONS:
+        return True
+    parts = stem.split(".")
+    return all(len(p) == 1 and p.isalpha() for p in parts)
+
+
+class ClauseSplitter:
+    """Cuts streamed text into clauses for synthesis.
+
+    `push(text)` returns the clauses completed by `text`, `flush()` forces out whatever is
+    buffered (an explicit boundary), `end()` returns the remainder at the end of input. The clauses
+    depend only on the concatenated text and the positions of flushes, never on how the text was
+    cut into pushes: every decision at a character looks only at the text up to that character
+    (one character of lookahead at most), and is deferred until that text has arrived.
+
+    A clause ends at whitespace that follows sentence punctuation (. ! ? …, optionally followed by
+    closing quotes/brackets), except after abbreviations ("Mr.", "e.g.", "etc.") and initials;
+    a period without whitespace after it ("3.5", "a.b") never ends one. It also ends at whitespace
+    after , ; : – — or a lone "-" (and right after an attached em dash, "this—that"). Such a
+    boundary is taken only once the clause has `min_tokens` tokens (`comma_min_tokens` at clause
+    punctuation); shorter pieces are merged with what follows, since the model does poorly on
+    very short inputs. The first clause after construction or a flush only needs
+    `first_min_tokens`, so that audio starts early. No clause exceeds `max_tokens`: a clause that
+    would is cut at its last whitespace (inside a single word longer than that, at the last
+    character that fits). Clauses are stripped; empty ones are never returned.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Encoder,
+        *,
+        min_tokens: int = 6,
+        first_min_tokens: int = 4,
+        comma_min_tokens: int | None = None,
+        max_tokens: int = MAX_TOKENS_PER_CHUNK,
+    ) -> None:
+        comma_min_tokens = min_tokens if comma_min_tokens is None else comma_min_tokens
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        for name, value in (
+            ("min_tokens", min_tokens),
+            ("first_min_tokens", first_min_tokens),
+            ("comma_min_tokens", comma_min_tokens),
+        ):
+            if not 1 <= value <= max_tokens:
+                raise ValueError(f"{name} must be in [1, max_tokens={max_tokens}], got {value}")
+        self._tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.first_min_tokens = first_min_tokens
+        self.comma_min_tokens = comma_min_tokens
+        self.max_tokens = max_tokens
+        self._buf = ""  # the clause being built (it starts at index 0), plus unscanned text
+        self._pos = 0  # next index of _buf to decide on
+        self._word_end: int | None = None  # last whitespace after a word in the clause
+        self._counts: dict[int, int] = {}  # token count of _buf[:j], per j, for this clause
+        self._first = True
+
+    def push(self, text: str) -> list[str]:
+        """Append text; return the clauses it completes."""
+        self._buf += text
+        return self._scan(final=False)
+
+    def flush(self) -> list[str]:
+        """Force out everything buffered, as clauses (cut only if over `max_tokens`).
+
+        The next clause counts as a first clause again: after a flush the listener is likely
+        waiting on it.
+        """
+        out = self._scan(final=True)
+        self._first = True
+        return out
+
+    def end(self) -> list[str]:
+        """End of input: return the remainder. The splitter can then be reused for a new text."""
+        return self.flush()
+
+    def _scan(self, final: bool) -> list[str]:
+        out: list[str] = []
+        while True:
+            buf, i = self._buf, self._pos
+            if i == len(buf):
+                if final:
+                    # The end of input ends the last word: it may overflow like any other.
+                    over = self._overflow_cut(i) if buf and not buf[-1].isspace() else None
+                    if over is not None:
+                        self._emit(over, out)
+                        continue
+                    self._emit(len(buf), out)
+                return out
+            ch = buf[i]
+            cut: int | None = None
+            if ch.isspace():
+                if i > 0 and not buf[i - 1].isspace():  # the end of a word
+                    cut = self._overflow_cut(i)
+                    if cut is None and self._is_boundary(i):
+                        cut = i
+                    if cut is None:
+                        self._word_end = i
+            elif self._word_end is None and self._word_overflows(i + 1):
+                cut = i
+            elif ch == "\u2014" and self._long_enough(i + 1, sentence=False):
+                cut = i + 1
+            if cut is None:
+                self._pos = i + 1
+            else:
+                self._emit(cut, out)
+
+    def _emit(self, end: int, out: list[str]) -> None:
+        clause = self._buf[:end].strip()
+        if clause:
+            out.append(clause)
+            self._first = False
+        # The rest is rescanned as a new clause (after an overflow cut it holds the last word).
+        self._buf = self._buf[end:]
+        self._pos = 0
+        self._word_end = None
+        self._counts.clear()
+
+    def _count(self, end: int) -> int:
+        n = self._counts.get(end)
+        if n is None:
+            n = self._counts[end] = len(self._tokenizer.encode(self._buf[:end].strip()))
+        return n
+
+    def _threshold(self, sentence: bool) -> int:
+        if self._first:
+            return self.first_min_tokens
+        return self.min_tokens if sentence else self.comma_min_tokens
+
+    def _overflow_cut(self, end: int) -> int | None:
+        """Where to cut if the clause up to the word ending at `end` is over `max_tokens`."""
+        if self._word_end is not None and self._count(end) > self.max_tokens:
+            return self._word_end
+        return None
+
+    def _word_overflows(self, end: int) -> bool:
+        """Whether the clause, a single word so far, is over `max_tokens` at `end`."""
+        word = self._buf[:end].lstrip()
+        if len(word) < 2 or len(word) * _MAX_TOKENS_PER_CHAR + 1 <= self.max_tokens:
+            return False  # a single character is never cut off on its own
+        return self._count(end) > self.max_tokens
+
+    def _is_boundary(self, end: int) -> bool:
+        """Whether the word ending at `end` ends the clause (the whitespace at `end` arrived)."""
+        core = self._buf[:end].rstrip(_CLOSERS)
+        if not core:
+            return False
+        last = core[-1]
+        if last in _SENTENCE_END:
+            if last == "." and _is_abbreviation(core):
+                return False
+            sentence = True
+        elif last in _CLAUSE_PUNCTUATION or (last == "-" and len(core) > 1 and core[-2].isspace()):
+            sentence = False
+        else:
+            return False
+        return self._long_enough(end, sentence)
+
+    def _long_enough(self, end: int, sentence: bool) -> bool:
+        """Whether the clause up to `end` may end there: it has words, and enough tokens."""
+        if not any(c.isalnum() for c in self._buf[:end]):
+            return False  # punctuation alone goes with the next clause
+        return self._threshold(sentence) <= self._count(end) <= self.max_tokens
+
+
+def split_clauses(
+    tokenizer: Encoder,
+    text: str,
+    *,
+    min_tokens: int = 6,
+    first_min_tokens: int = 4,
+    comma_min_tokens: int | None = None,
+    max_tokens: int = MAX_TOKENS_PER_CHUNK,
+) -> list[str]:
+    """The clauses `ClauseSplitter` makes of `text` pushed at once then ended."""
+    splitter = ClauseSplitter(
+        tokenizer,
+        min_tokens=min_tokens,
+        first_min_tokens=first_min_tokens,
+        comma_min_tokens=comma_min_tokens,
+        max_tokens=max_tokens,
+    )
+    return splitter.push(text) + splitter.end()

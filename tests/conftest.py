@@ -1,0 +1,31 @@
+"""Shared fixtures: offline checkpoints made once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from intone.engine.checkpoint import make_checkpoint
+from intone.engine.loading import LoadedModel, load_model
+from intone.engine.voices import Voice, load_voice
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("full", tmp_path_factory.mktemp("full"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint: Path) -> LoadedModel:
+    return load_model(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_voice(tiny_model: LoadedModel, tiny_checkpoint: Path) -> Voice:
+    return load_voice(tiny_model.model, "default", tiny_checkpoint / "voices" / "default.wav")
