@@ -149,7 +149,7 @@ def prepare_text(text: str, options: TextOptions | None = None) -> tuple[str, in
     # The model does poorly on very few tokens; leading spaces add some.
     if o.pad_with_spaces_for_short_inputs and len(text.split()) < 5:
         text = " " * 8 + text
-    return text, frames_after_eos_guess
+    return text, frames_after_eos_guess + _EXTRA_FRAMES_AFTER_EOS
 
 
 def _ensure_terminal_punctuation(text: str) -> str:
