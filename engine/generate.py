@@ -65,6 +65,29 @@ class ClausePlan:
     frames_after_eos: int
 
 
+@dataclass
+class ClauseProgress:
+    """Where a clause's generation stands: frame count, EOS, and when to stop."""
+
+    plan: ClausePlan
+    step: int = 0
+    eos_step: int | None = None
+    ended: bool = False
+
+    def advance(self, is_eos: bool) -> bool:
+        """Account for one sampled latent; False when the clause ends here and it is dropped."""
+        step = self.step
+        self.step += 1
+        if is_eos and self.eos_step is None and step >= MIN_FRAMES_BEFORE_EOS:
+            self.eos_step = step
+        if self.eos_step is not None and step >= self.eos_step + self.plan.frames_after_eos:
+            self.ended = True
+            return False
+        if self.step >= self.plan.max_frames:
+            self.ended = True
+        return True
+
+
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
     text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
     tokens = loaded.tokenizer.encode(text)
@@ -135,12 +158,11 @@ class ClauseGenerator:
         )
         self.flow_lm.backbone(prompt, positions, attention)
         self.previous = torch.full((1, self.flow_lm.latent_dim), float("nan"), device=model.device)
-        self.step_index = 0
-        self.eos_step: int | None = None
+        self.progress = ClauseProgress(plan)
 
     def step(self) -> torch.Tensor | None:
         """The next normalised latent [latent_dim], or None when the clause is over."""
-        if self.step_index >= self.plan.max_frames:
+        if self.progress.ended:
             return None
         self.length += 1
         positions, attention = plan_step(self.pool, [SequenceStep(self.slots[: self.length], 1)])
@@ -149,17 +171,12 @@ class ClauseGenerator:
         noise = draw_noise(
             [self.generator],
             self.flow_lm.latent_dim,
-            self.temperature,
-            self.options.noise_clamp,
+            [self.temperature],
+            [self.options.noise_clamp],
             z.device,
         )
         latent = self.flow_lm.sample_latent(z, noise, self.options.flow_steps)
-        step = self.step_index
-        self.step_index += 1
-        if is_eos and self.eos_step is None and step >= MIN_FRAMES_BEFORE_EOS:
-            self.eos_step = step
-        if self.eos_step is not None and step >= self.eos_step + self.plan.frames_after_eos:
-            self.step_index = self.plan.max_frames
+        if not self.progress.advance(is_eos):
             return None
         self.previous = latent
         return latent[0]

@@ -56,7 +56,7 @@ def ours(
         [latent for _, latent in generate_latents(loaded, voice, [text], options)]
     )
     audio = torch.cat(list(generate(loaded, voice, [text], options)))
-    return torch.stack(latents), audio
+    return latents, audio
 
 
 def check_equal(checkpoint: Path, loaded: LoadedModel, voice: Voice) -> None:

@@ -141,28 +141,23 @@ class FlowHead(nn.Module):
 
 
 def draw_noise(
-    generators: list[torch.Generator | None],
+    generators: list[torch.Generator],
     latent_dim: int,
-    temperature: float | list[float],
-    noise_clamp: float | None,
+    temperatures: list[float],
+    noise_clamps: list[float | None],
     device: torch.device,
 ) -> torch.Tensor:
     """One noise row per request, each from that request's own generator, never the global RNG.
 
     std = sqrt(temperature); with a clamp the draw is a truncated normal, as in the reference.
     """
-    temps = temperature if isinstance(temperature, list) else [temperature] * len(generators)
     rows = []
-    for generator, temp in zip(generators, temps, strict=True):
-        row = torch.empty(latent_dim)
-        std = temp**0.5
-        if temp == 0:
-            row.zero_()
-        elif generator is None:
-            raise ValueError("sampling at temperature > 0 needs a per-request generator")
-        elif noise_clamp is None:
+    for generator, temperature, clamp in zip(generators, temperatures, noise_clamps, strict=True):
+        row = torch.zeros(latent_dim)
+        std = temperature**0.5
+        if temperature > 0 and clamp is None:
             row.normal_(0.0, std, generator=generator)
-        else:
-            nn.init.trunc_normal_(row, 0.0, std, -noise_clamp, noise_clamp, generator=generator)
+        elif temperature > 0:
+            nn.init.trunc_normal_(row, 0.0, std, -clamp, clamp, generator=generator)
         rows.append(row)
     return torch.stack(rows).to(device)
