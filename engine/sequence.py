@@ -10,12 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from intone.engine.block_manager import PageTable
-from intone.engine.generate import ClausePlan, ClauseProgress
+from intone.engine.generate import ClausePlan, ClauseProgress, GenerationOptions
 
 
 class Phase(enum.Enum):
@@ -97,6 +98,9 @@ class Request:
     # Decoder state.
     decoder_slot: int | None = None
     frames_delivered: int = 0
+    # Set by the engine when the request is made.
+    options: GenerationOptions = field(default_factory=GenerationOptions)
+    sink: Callable[[object], None] = lambda event: None
 
 
 def now() -> float:

@@ -1,0 +1,581 @@
+"""The batched streaming engine: an AR thread and a decoder thread joined by a queue.
+
+The AR thread admits requests, prefills their clauses in packed passes and advances every
+generating request one latent per step. Each latent goes on the decoder queue. The decoder thread
+batches whatever latents are ready, one row per request with that request's own history, and
+hands the audio to the request's stream on the stream's own event loop. Callers use `Stream`
+from any asyncio loop, several loops at once included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from intone.engine.block_manager import BlockManager
+from intone.engine.generate import GenerationOptions, fade_in, make_generator, plan_clause
+from intone.engine.loading import LoadedModel, load_model
+from intone.engine.metrics import EngineMetrics
+from intone.engine.model_runner import ModelRunner
+from intone.engine.scheduler import Scheduler, VoicePrefix
+from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
+from intone.engine.text import ClauseSplitter
+from intone.engine.voices import Voice, load_voice
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """Generation failed inside the engine."""
+
+
+class EngineFullError(RuntimeError):
+    """The admission queue is full: retry later or on another worker."""
+
+
+@dataclass
+class EngineConfig:
+    device: str = "cpu"
+    page_size: int = 16
+    num_pages: int | None = None  # None: as many as kv_memory_mb holds
+    kv_memory_mb: float = 256.0
+    max_active: int = 16  # requests generating at once (AR batch and decoder rows)
+    max_queued: int = 256  # requests waiting for admission
+    max_prefill_tokens: int = 2048  # positions per packed prefill pass
+    max_text_chars: int = 20_000  # per request
+    max_frames: int | None = None  # per clause, on top of the model's own estimate
+    flow_steps: int = 1
+    default_chain_frames: int = 4
+    clause_min_tokens: int = 6
+    clause_first_min_tokens: int = 4
+    clause_max_tokens: int = 50
+
+    def validate(self) -> None:
+        for name in ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1")
+
+
+@dataclass
+class AudioChunk:
+    """One frame of audio, float32 at the model's rate."""
+
+    samples: np.ndarray
+    clause: int
+
+
+@dataclass
+class ClauseDone:
+    clause: int
+    text: str
+    frames: int
+
+
+@dataclass
+class _Frame:
+    request: Request
+    latent: torch.Tensor
+    clause: int
+
+
+@dataclass
+class _ClauseEnd:
+    request: Request
+    event: ClauseDone
+
+
+@dataclass
+class _Finish:
+    request: Request
+    cancelled: bool
+    error: Exception | None = None
+
+
+class Stream:
+    """One request: text in (push, flush, end), audio out (async iteration)."""
+
+    def __init__(self, engine: Engine, request: Request, splitter: ClauseSplitter):
+        self._engine = engine
+        self.request = request
+        self._splitter = splitter
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        self._chars = 0
+        self._clauses = 0
+        self._has_text = False
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.request.metrics
+
+    def push_text(self, text: str) -> None:
+        self._check_open()
+        self._chars += len(text)
+        if self._chars > self._engine.config.max_text_chars:
+            raise ValueError(
+                f"text over the limit of {self._engine.config.max_text_chars} characters"
+            )
+        self._has_text |= bool(text.strip())
+        self._submit(self._splitter.push(text))
+
+    def flush(self) -> None:
+        """End the current clause here, whatever its length."""
+        self._check_open()
+        self._submit(self._splitter.flush())
+
+    def end_input(self) -> None:
+        self._check_open()
+        if not self._has_text:
+            raise ValueError("no text was pushed: nothing to synthesise")
+        self._submit(self._splitter.end(), end=True)
+
+    def cancel(self) -> None:
+        """Stop now: no audio is delivered after this returns; engine state is released."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._cancel(self.request)
+        self._events.put_nowait(None)
+
+    def _check_open(self) -> None:
+        if self._closed or self.request.input_ended:
+            raise RuntimeError(f"stream {self.id} no longer takes input")
+
+    def _submit(self, texts: list[str], end: bool = False) -> None:
+        clauses = []
+        for text in texts:
+            plan = self._engine._plan(self.request, text)
+            clauses.append(Clause(self._clauses, text, plan))
+            self._clauses += 1
+        self._engine._submit(self.request, clauses, end)
+
+    def _post(self, event: object) -> None:
+        """Called from engine threads."""
+        self._loop.call_soon_threadsafe(self._deliver, event)
+
+    def _deliver(self, event: object) -> None:
+        if not self._closed:
+            if event is None or isinstance(event, Exception):
+                self._closed = True
+            self._events.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
+        return self
+
+    async def __anext__(self) -> AudioChunk | ClauseDone:
+        event = await self._events.get()
+        if event is None:
+            raise StopAsyncIteration
+        if isinstance(event, Exception):
+            raise event
+        return event
+
+    async def audio(self) -> AsyncIterator[np.ndarray]:
+        async for event in self:
+            if isinstance(event, AudioChunk):
+                yield event.samples
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate()
+        self.loaded = loaded
+        self.device = torch.device(config.device)
+        self.model = loaded.model.to(self.device)
+        flow_lm = self.model.flow_lm
+        slot_bytes = 2 * flow_lm.num_layers * flow_lm.dim * 4
+        num_pages = config.num_pages or max(
+            1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size))
+        )
+        self.blocks = BlockManager(num_pages, config.page_size)
+        self.runner = ModelRunner(
+            self.model, self.blocks, config.max_active, config.flow_steps, self.device
+        )
+        self.scheduler = Scheduler(
+            self.runner, self.blocks, config.max_active, config.max_prefill_tokens
+        )
+        self._lock = threading.Condition()
+        self._inbox: deque = deque()
+        self._decoder_queue: queue.Queue = queue.Queue()
+        self._releasing: set[str] = set()
+        self._ids = itertools.count()
+        self._running = False
+        self._threads: list[threading.Thread] = []
+        self.metrics_ = EngineMetrics(
+            {
+                "kv_pages_in_use": lambda: self.blocks.pages_in_use,
+                "kv_pages_free": lambda: len(self.blocks.free_pages),
+                "kv_pages_total": lambda: self.blocks.num_pages,
+                "active_requests": lambda: len(self.scheduler.running) + len(self._releasing),
+                "queued_requests": lambda: len(self.scheduler.waiting),
+                "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
+                "decoder_queue_depth": lambda: self._decoder_queue.qsize(),
+            }
+        )
+        for name, source in loaded.voices.items():
+            if name == loaded.default_voice:
+                self.add_voice(name, source)
+        self.default_voice = loaded.default_voice
+
+    @classmethod
+    def from_model(
+        cls, model: str | Path | None = None, config: EngineConfig | None = None
+    ) -> Engine:
+        return cls(load_model(model), config)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.loaded.sample_rate
+
+    # ---- lifecycle
+
+    def start(self) -> Engine:
+        if self._running:
+            return self
+        self._running = True
+        self._threads = [
+            threading.Thread(target=self._ar_loop, name="intone-ar", daemon=True),
+            threading.Thread(target=self._decoder_loop, name="intone-decoder", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def close(self) -> None:
+        """Cancel everything in flight and stop the threads."""
+        with self._lock:
+            for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+                request.cancelled = True
+            self._running = False
+            self._lock.notify_all()
+        self._decoder_queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- voices
+
+    @property
+    def voices(self) -> list[str]:
+        return sorted(self.scheduler.voices)
+
+    def add_voice(self, name: str, source: str | Path | Voice) -> None:
+        """Register a voice from audio, a voice-state file or a computed Voice; prefilled once."""
+        voice = source if isinstance(source, Voice) else load_voice(self.model, name, source)
+        with self._lock:
+            old = self.scheduler.voices.pop(name, None)
+            self.scheduler.voices[name] = VoicePrefix(name, self.runner.add_voice(voice))
+            if old is not None:
+                self.blocks.release(old.table)  # requests using it hold their own references
+
+    # ---- requests
+
+    def stream(self, voice: str | None = None, options: GenerationOptions | None = None) -> Stream:
+        """A new text stream. Raises at once on bad options, an unknown voice or a full queue."""
+        options = options or GenerationOptions(chain_frames=self.config.default_chain_frames)
+        options.validate()
+        if options.flow_steps != self.config.flow_steps:
+            raise ValueError(
+                f"this engine runs {self.config.flow_steps} flow step(s); got {options.flow_steps}"
+            )
+        voice = voice or self.default_voice
+        if voice is None or voice not in self.scheduler.voices:
+            raise ValueError(f"unknown voice {voice!r}; known voices: {self.voices}")
+        if not self._running:
+            raise RuntimeError("the engine is not running: call start()")
+        model_config = self.loaded.config
+        request = Request(
+            id=f"req-{next(self._ids)}",
+            voice=voice,
+            temperature=(
+                model_config.default_temperature
+                if options.temperature is None
+                else options.temperature
+            ),
+            eos_threshold=(
+                model_config.default_eos_threshold
+                if options.eos_threshold is None
+                else options.eos_threshold
+            ),
+            noise_clamp=options.noise_clamp,
+            chain_frames=options.chain_frames,
+            generator=make_generator(options.seed),
+            metrics=RequestMetrics(submitted_at=now(), sample_rate=self.sample_rate),
+        )
+        request.options = options
+        splitter = ClauseSplitter(
+            self.loaded.tokenizer,
+            min_tokens=self.config.clause_min_tokens,
+            first_min_tokens=self.config.clause_first_min_tokens,
+            max_tokens=self.config.clause_max_tokens,
+        )
+        stream = Stream(self, request, splitter)
+        request.sink = stream._post
+        with self._lock:
+            if len(self.scheduler.waiting) >= self.config.max_queued:
+                raise EngineFullError(f"{self.config.max_queued} requests already queued")
+            self.scheduler.waiting.append(request)
+        return stream
+
+    async def synthesize(
+        self, text: str, voice: str | None = None, options: GenerationOptions | None = None
+    ) -> np.ndarray:
+        """The whole audio of `text`, float32 at the model's rate."""
+        if not text.strip():
+            raise ValueError("text is empty")
+        stream = self.stream(voice, options)
+        try:
+            stream.push_text(text)
+            stream.end_input()
+            chunks = [chunk async for chunk in stream.audio()]
+        except BaseException:
+            stream.cancel()
+            raise
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+    def _plan(self, request: Request, text: str):
+        options = replace(request.options)
+        if self.config.max_frames is not None:
+            options.max_frames = min(
+                options.max_frames or self.config.max_frames, self.config.max_frames
+            )
+        plan = plan_clause(self.loaded, text, options)
+        pages = self.scheduler.clause_pages(
+            request.voice, request.chain_frames + len(plan.tokens), plan.max_frames
+        )
+        if pages > self.blocks.num_pages:
+            raise ValueError(
+                f"a clause needs {pages} KV pages but the pool has {self.blocks.num_pages}: "
+                "raise num_pages or lower max_frames"
+            )
+        return plan
+
+    def _submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
+        with self._lock:
+            request.pending.extend(clauses)
+            request.input_ended |= end
+            if request.metrics.clauses == 0 and clauses:
+                request.metrics.submitted_at = now()
+            request.metrics.clauses += len(clauses)
+            self._lock.notify_all()
+
+    def _cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancelled = True
+            self._lock.notify_all()
+
+    # ---- metrics
+
+    def metrics(self) -> dict:
+        return self.metrics_.snapshot()
+
+    def prometheus(self) -> bytes:
+        return self.metrics_.prometheus()
+
+    def is_idle(self) -> bool:
+        m = self.metrics()
+        return m["active_requests"] == 0 and m["queued_requests"] == 0
+
+    # ---- AR thread
+
+    def _ar_loop(self) -> None:
+        while True:
+            with self._lock:
+                batch = None
+                while self._running:
+                    self._handle_inbox()
+                    self._retire_requests()
+                    batch = self.scheduler.schedule()
+                    if batch.prefill or batch.generate:
+                        break
+                    self._lock.wait()
+                if not self._running:
+                    self._retire_requests()
+                    return
+            try:
+                self._run_batch(batch.prefill, batch.generate)
+            except Exception as e:  # a failed step fails its requests, not the engine
+                logger.exception("AR step failed")
+                with self._lock:
+                    for request in batch.prefill + batch.generate:
+                        self._finish(request, cancelled=False, error=EngineError(str(e)))
+
+    def _handle_inbox(self) -> None:
+        while self._inbox:
+            kind, request = self._inbox.popleft()
+            if kind == "delivered" and request.phase is Phase.DRAINING:
+                if request.chain_frames and request.latents:
+                    request.tail = torch.stack(request.latents[-request.chain_frames :])
+                self.scheduler.end_clause(request)
+                request.phase = Phase.IDLE
+            elif kind == "released":
+                self._releasing.discard(request.id)
+
+    def _retire_requests(self) -> None:
+        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            if request.cancelled:
+                self._finish(request, cancelled=True)
+            elif (
+                request.input_ended
+                and not request.pending
+                and request.phase in (Phase.IDLE, Phase.WAITING)
+            ):
+                self._finish(request, cancelled=False)
+
+    def _finish(self, request: Request, cancelled: bool, error: Exception | None = None) -> None:
+        admitted = request in self.scheduler.running
+        self.scheduler.finish(request)
+        if admitted:
+            self._releasing.add(request.id)
+            self._decoder_queue.put(_Finish(request, cancelled, error))
+        elif not cancelled:
+            request.sink(error)
+        if error is None:
+            request.metrics.finished_at = now()
+
+    def _run_batch(self, prefill: list[Request], generate: list[Request]) -> None:
+        if prefill:
+            self.runner.prefill(prefill)
+            self.metrics_.batch("prefill", len(prefill))
+            nan = torch.full((self.model.flow_lm.latent_dim,), float("nan"), device=self.device)
+            for request in prefill:
+                request.prompt = None
+                request.previous_latent = nan
+                request.phase = Phase.GENERATING
+            generate = generate + prefill
+        if not generate:
+            return
+        latents, eos_logits = self.runner.generate(generate)
+        self.metrics_.batch("generate", len(generate))
+        eos = (eos_logits > torch.tensor([r.eos_threshold for r in generate])).tolist()
+        for request, latent, is_eos in zip(generate, latents, eos, strict=True):
+            assert request.progress is not None
+            keep = request.progress.advance(is_eos)
+            if keep:
+                request.previous_latent = latent
+                request.latents.append(latent)
+                self._decoder_queue.put(_Frame(request, latent, request.clause.index))
+            if request.progress.ended:
+                request.phase = Phase.DRAINING
+                clause = request.clause
+                done = ClauseDone(clause.index, clause.text, len(request.latents))
+                self._decoder_queue.put(_ClauseEnd(request, done))
+
+    # ---- decoder thread
+
+    def _decoder_loop(self) -> None:
+        pending: dict[str, deque] = {}
+        requests: dict[str, Request] = {}
+        stop = False
+        while not stop:
+            item = self._decoder_queue.get()
+            items = [item]
+            while True:
+                try:
+                    items.append(self._decoder_queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    stop = True
+                    continue
+                pending.setdefault(item.request.id, deque()).append(item)
+                requests[item.request.id] = item.request
+            self._drain(pending, requests)
+        for request_id in list(pending):
+            self._release_decoder(requests[request_id])
+
+    def _drain(self, pending: dict[str, deque], requests: dict[str, Request]) -> None:
+        while pending:
+            self._run_control_items(pending, requests)
+            ready = [
+                rid for rid, items in pending.items() if items and isinstance(items[0], _Frame)
+            ]
+            if not ready:
+                return
+            ready = ready[: self.config.max_active]
+            frames = [pending[rid].popleft() for rid in ready]
+            try:
+                self._decode(frames)
+            except Exception as e:
+                logger.exception("decode failed")
+                for frame in frames:
+                    frame.request.cancelled = True
+                    frame.request.sink(EngineError(str(e)))
+                with self._lock:
+                    self._lock.notify_all()
+
+    def _run_control_items(self, pending: dict[str, deque], requests: dict[str, Request]) -> None:
+        for rid in list(pending):
+            items = pending[rid]
+            request = requests[rid]
+            while items and not isinstance(items[0], _Frame):
+                item = items.popleft()
+                if isinstance(item, _ClauseEnd):
+                    if not request.cancelled:
+                        request.sink(item.event)
+                    self._post_inbox("delivered", request)
+                elif isinstance(item, _Finish):
+                    items.clear()
+                    self._release_decoder(request)
+                    if item.error is not None:
+                        request.sink(item.error)
+                    elif not item.cancelled:
+                        self.metrics_.finished(request.metrics, cancelled=False)
+                        request.sink(None)
+                    else:
+                        self.metrics_.finished(request.metrics, cancelled=True)
+            if not items:
+                del pending[rid]
+                requests.pop(rid, None)
+
+    def _release_decoder(self, request: Request) -> None:
+        if request.decoder_slot is not None:
+            self.runner.decoder_states.release(request.decoder_slot)
+            request.decoder_slot = None
+        self._post_inbox("released", request)
+
+    def _post_inbox(self, kind: str, request: Request) -> None:
+        with self._lock:
+            self._inbox.append((kind, request))
+            self._lock.notify_all()
+
+    def _decode(self, frames: list[_Frame]) -> None:
+        for frame in frames:
+            if frame.request.decoder_slot is None:
+                frame.request.decoder_slot = self.runner.decoder_states.acquire()
+        slots = [frame.request.decoder_slot for frame in frames]
+        audio = self.runner.decode(slots, torch.stack([frame.latent for frame in frames]))
+        self.metrics_.batch("decode", len(frames))
+        for frame, samples in zip(frames, audio.cpu(), strict=True):
+            request = frame.request
+            if request.frames_delivered == 0:
+                samples = fade_in(samples, self.sample_rate)
+                request.metrics.first_audio_at = now()
+            request.frames_delivered += 1
+            request.metrics.audio_samples += samples.numel()
+            self.metrics_.audio(samples.numel() / self.sample_rate)
+            if not request.cancelled:
+                request.sink(AudioChunk(samples.numpy(), frame.clause))

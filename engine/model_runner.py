@@ -1,0 +1,118 @@
+"""The tensor work of the two engine stages, on batches the schedulers formed.
+
+Step functions take prepared tensors (positions, slots, masks, noise) and return tensors; the
+only host reads (EOS flags) happen after a step, in the scheduler's bookkeeping. That keeps each
+step free of data-dependent Python, the precondition for replaying it as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.decoder_states import DecoderStatePool
+from intone.engine.models.pocket.flow_head import draw_noise
+from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, SlotAttention, plan_step
+from intone.engine.models.pocket.model import PocketTTS
+from intone.engine.sequence import Request
+from intone.engine.voices import Voice
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PocketTTS,
+        blocks: BlockManager,
+        decoder_slots: int,
+        flow_steps: int,
+        device: torch.device,
+    ):
+        self.model = model
+        self.flow_lm = model.flow_lm
+        self.blocks = blocks
+        self.flow_steps = flow_steps
+        self.device = device
+        transformer = self.flow_lm.transformer
+        self.pool = KVPool(
+            self.flow_lm.num_layers,
+            blocks.num_pages * blocks.page_size,
+            transformer.num_heads,
+            transformer.head_dim,
+            device=device,
+        )
+        self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)
+
+    def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
+        """A clause's prompt: the chaining tail as extra voice frames, then the text."""
+        text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
+        if tail is None or not tail.shape[0]:
+            return text
+        voice_like = F.linear(self.flow_lm.denormalize(tail), self.flow_lm.speaker_proj_weight)
+        return torch.cat([voice_like, text])
+
+    def copy_page(self, source: int, target: int, count: int) -> None:
+        """Copy the first `count` slots of a shared page into a private one."""
+        size = self.blocks.page_size
+        src = slice(source * size, source * size + count)
+        dst = slice(target * size, target * size + count)
+        self.pool.keys[:, dst] = self.pool.keys[:, src]
+        self.pool.values[:, dst] = self.pool.values[:, src]
+
+    def add_voice(self, voice: Voice) -> PageTable:
+        """Write a voice's prompt K/V into pages of its own, shared by its requests later."""
+        table = self.blocks.allocate(voice.length)
+        self.pool.write(self.blocks.slots(table).to(self.device), voice.keys, voice.values)
+        return table
+
+    @torch.no_grad()
+    def prefill(self, requests: list[Request]) -> None:
+        """One packed pass over the prompts of `requests`: no padding, one sequence each."""
+        steps = []
+        for request in requests:
+            assert request.table is not None and request.prompt is not None
+            self.blocks.extend(request.table, request.prompt.shape[0])
+            steps.append(SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0]))
+        positions, attention = plan_step(self.pool, steps)
+        prompts = torch.cat([r.prompt for r in requests if r.prompt is not None])
+        self.flow_lm.backbone(prompts, positions, attention)
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One AR step for every request: (latents [B, latent_dim], EOS logits [B])."""
+        steps = []
+        for request in requests:
+            assert request.table is not None
+            self.blocks.extend(request.table, 1)
+            steps.append(SequenceStep(self.blocks.slots(request.table), 1))
+        positions, attention = plan_step(self.pool, steps)
+        previous = torch.stack(
+            [r.previous_latent for r in requests if r.previous_latent is not None]
+        )
+        noise = draw_noise(
+            [r.generator for r in requests],
+            self.flow_lm.latent_dim,
+            [r.temperature for r in requests],
+            [r.noise_clamp for r in requests],
+            self.device,
+        )
+        return self._generate_step(previous, positions, attention, noise)
+
+    def _generate_step(
+        self,
+        previous: torch.Tensor,
+        positions: torch.Tensor,
+        attention: SlotAttention,
+        noise: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.flow_lm.backbone(self.flow_lm.embed_latents(previous), positions, attention)
+        return self.flow_lm.sample_latent(z, noise, self.flow_steps), self.flow_lm.eos_logit(z)
+
+    @torch.no_grad()
+    def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
+        """Waveform [B, samples_per_frame] for one normalised latent per decoder slot."""
+        index = torch.tensor(slots, device=self.device)
+        state = self.decoder_states.gather(index)
+        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents)[:, None], state)
+        self.decoder_states.scatter(index, state)
+        return audio[:, 0]

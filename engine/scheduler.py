@@ -1,0 +1,114 @@
+"""AR-side scheduling: admission in FIFO order, and the batch of every step rebuilt from scratch.
+
+Each iteration:
+1. admitted requests whose next clause is ready (text complete, previous clause's audio delivered)
+   start it if its KV pages can be reserved; then waiting requests are admitted, oldest first,
+   while batch slots and pages last. A request that does not fit blocks those behind it, so
+   admission stays FIFO and a big request cannot starve.
+2. every started clause that still needs its prompt pass joins one packed prefill;
+3. every generating request joins one AR step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.generate import ClauseProgress
+from intone.engine.model_runner import ModelRunner
+from intone.engine.sequence import Phase, Request
+
+
+@dataclass
+class VoicePrefix:
+    name: str
+    table: PageTable
+
+
+@dataclass
+class Batch:
+    prefill: list[Request]
+    generate: list[Request]
+
+
+class Scheduler:
+    def __init__(
+        self, runner: ModelRunner, blocks: BlockManager, max_active: int, max_prefill_tokens: int
+    ):
+        self.runner = runner
+        self.blocks = blocks
+        self.max_active = max_active
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.voices: dict[str, VoicePrefix] = {}
+
+    def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
+        """Pages one clause may need, the copy of a shared partial voice page included."""
+        length = self.voices[voice].table.length + prompt_length + max_frames
+        return self.blocks.pages_for(length) + 1
+
+    def start_clause(self, request: Request) -> bool:
+        """Move the request's next clause onto reserved pages; False if the pool is short."""
+        clause = request.pending[0]
+        voice = self.voices[request.voice].table
+        tail = request.tail.shape[0] if request.tail is not None else 0
+        final = voice.length + tail + len(clause.plan.tokens) + clause.plan.max_frames
+        table, partial_page = self.blocks.share(voice)
+        if not self.blocks.reserve(table, final, copy_partial=partial_page is not None):
+            self.blocks.release(table)
+            return False
+        if partial_page is not None:
+            self.runner.copy_page(
+                partial_page, table.pages[-1], voice.length % self.blocks.page_size
+            )
+        request.pending.popleft()
+        request.clause = clause
+        request.table = table
+        request.prompt = self.runner.prompt_embeddings(clause.plan.tokens, request.tail)
+        request.progress = ClauseProgress(clause.plan)
+        request.latents = []
+        request.phase = Phase.PREFILL
+        return True
+
+    def schedule(self) -> Batch:
+        for request in self.running:
+            if request.phase is Phase.IDLE and request.pending and not self.start_clause(request):
+                break
+        else:
+            while (
+                self.waiting
+                and len(self.running) < self.max_active
+                and self.waiting[0].pending
+                and self.start_clause(self.waiting[0])
+            ):
+                self.running.append(self.waiting.popleft())
+        prefill, tokens = [], 0
+        for request in self.running:
+            if request.phase is Phase.PREFILL:
+                assert request.prompt is not None
+                if prefill and tokens + request.prompt.shape[0] > self.max_prefill_tokens:
+                    break
+                prefill.append(request)
+                tokens += request.prompt.shape[0]
+        generate = [r for r in self.running if r.phase is Phase.GENERATING]
+        return Batch(prefill, generate)
+
+    def finish(self, request: Request) -> None:
+        """Drop the request from scheduling and give back its pages and tail."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.end_clause(request)
+        request.tail = None
+        request.phase = Phase.FINISHED
+
+    def end_clause(self, request: Request) -> None:
+        if request.table is not None:
+            self.blocks.release(request.table)
+        request.table = None
+        request.prompt = None
+        request.clause = None
+        request.progress = None
