@@ -69,7 +69,10 @@ def fetch(path: str, what: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     spec, _, revision = path.removeprefix("hf://").partition("@")
-    owner, repo, filename = spec.split("/", 2)
+    parts = spec.split("/", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"{what} {path!r} is not of the form hf://owner/repo/path[@revision]")
+    owner, repo, filename = parts
     try:
         return Path(hf_hub_download(f"{owner}/{repo}", filename, revision=revision or None))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
@@ -78,6 +81,14 @@ def fetch(path: str, what: str) -> Path:
             f"({type(e).__name__}). Pass a local checkpoint with --model DIR, or make an offline "
             "one with `intone make-checkpoint --preset tiny --out DIR`."
         ) from e
+
+
+def sibling(source: str, name: str) -> str:
+    """A file next to a config, as a local path or an hf:// path at the same revision."""
+    if source.startswith("hf://"):
+        spec, at, revision = source.partition("@")
+        return f"{spec.rsplit('/', 1)[0]}/{name}{at}{revision}"
+    return str(Path(source).parent / name)
 
 
 def resolve_config_path(model: str | Path | None) -> tuple[Path, str]:
@@ -157,10 +168,8 @@ def load_model(
     load_weights(net, weights_file)
     net.eval().to(device)
 
-    settings = _read_intone_settings(config_path.parent)
-    voices = {
-        name: str(config_path.parent / rel) for name, rel in settings.get("voices", {}).items()
-    }
+    settings = {} if source == DEFAULT_MODEL else _read_intone_settings(source)
+    voices = {name: sibling(source, rel) for name, rel in settings.get("voices", {}).items()}
     default_voice = settings.get("default_voice")
     weights = "generated" if "preset" in settings else "custom"
     if source == DEFAULT_MODEL:
@@ -180,9 +189,10 @@ def load_model(
     )
 
 
-def _read_intone_settings(directory: Path) -> dict:
-    path = directory / INTONE_SETTINGS_FILE
-    if not path.is_file():
-        return {}
+def _read_intone_settings(source: str) -> dict:
+    try:
+        path = fetch(sibling(source, INTONE_SETTINGS_FILE), "intone settings")
+    except ModelUnavailableError:
+        return {}  # a plain reference-package checkpoint
     with open(path, encoding="utf-8") as f:
         return yaml.safe_load(f) or {}

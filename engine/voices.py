@@ -96,6 +96,14 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
             )
         keys.append(cache[0, 0, :length])
         values.append(cache[1, 0, :length])
+    file_layers = {
+        int(key.split(".")[2]) for key in tensors if key.startswith("transformer.layers.")
+    }
+    if max(file_layers) + 1 > flow_lm.num_layers:
+        raise ValueError(
+            f"voice state {path} does not fit this model: it holds {max(file_layers) + 1} "
+            f"layers, the model has {flow_lm.num_layers}"
+        )
     return Voice(name, torch.stack(keys).to(model.device), torch.stack(values).to(model.device))
 
 

@@ -276,11 +276,6 @@ def test_voice_state_for_a_smaller_model(
         load_voice(tiny_model.model, "small", tmp_path / "small.safetensors")
 
 
-@pytest.mark.xfail(
-    reason="voice_from_state_file reads layers 0..num_layers-1 and ignores any further layers, "
-    "so a state from a deeper model of the same width loads silently (pocket_tts accepts it too)",
-    strict=True,
-)
 def test_voice_state_for_a_deeper_model(
     reference_state_file: Path, tiny_model: LoadedModel, tmp_path: Path
 ) -> None:

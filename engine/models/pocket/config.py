@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class StrictModel(BaseModel):
@@ -130,11 +130,17 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        raw = yaml.safe_load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {path} is not valid YAML: {e}") from e
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a YAML mapping")
-    return Config(**raw)
+        raise ValueError(f"config {path} is not a YAML mapping")
+    try:
+        return Config(**raw)
+    except ValidationError as e:
+        raise ValueError(f"config {path} does not fit the Pocket TTS schema: {e}") from e
 
 
 def dump_config(config: Config, path: str | Path) -> None:
