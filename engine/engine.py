@@ -217,7 +217,7 @@ class Engine:
         self._ids = itertools.count()
         self._running = False
         self._threads: list[threading.Thread] = []
-        self.metrics_ = EngineMetrics(
+        self._metrics = EngineMetrics(
             {
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
@@ -389,10 +389,10 @@ class Engine:
     # ---- metrics
 
     def metrics(self) -> dict:
-        return self.metrics_.snapshot()
+        return self._metrics.snapshot()
 
     def prometheus(self) -> bytes:
-        return self.metrics_.prometheus()
+        return self._metrics.prometheus()
 
     def is_idle(self) -> bool:
         m = self.metrics()
@@ -458,7 +458,7 @@ class Engine:
     def _run_batch(self, prefill: list[Request], generate: list[Request]) -> None:
         if prefill:
             self.runner.prefill(prefill)
-            self.metrics_.batch("prefill", len(prefill))
+            self._metrics.batch("prefill", len(prefill))
             nan = torch.full((self.model.flow_lm.latent_dim,), float("nan"), device=self.device)
             for request in prefill:
                 request.prompt = None
@@ -468,7 +468,7 @@ class Engine:
         if not generate:
             return
         latents, eos_logits = self.runner.generate(generate)
-        self.metrics_.batch("generate", len(generate))
+        self._metrics.batch("generate", len(generate))
         eos = (eos_logits > torch.tensor([r.eos_threshold for r in generate])).tolist()
         for request, latent, is_eos in zip(generate, latents, eos, strict=True):
             assert request.progress is not None
@@ -543,10 +543,10 @@ class Engine:
                     if item.error is not None:
                         request.sink(item.error)
                     elif not item.cancelled:
-                        self.metrics_.finished(request.metrics, cancelled=False)
+                        self._metrics.finished(request.metrics, cancelled=False)
                         request.sink(None)
                     else:
-                        self.metrics_.finished(request.metrics, cancelled=True)
+                        self._metrics.finished(request.metrics, cancelled=True)
             if not items:
                 del pending[rid]
                 requests.pop(rid, None)
@@ -568,7 +568,7 @@ class Engine:
                 frame.request.decoder_slot = self.runner.decoder_states.acquire()
         slots = [frame.request.decoder_slot for frame in frames]
         audio = self.runner.decode(slots, torch.stack([frame.latent for frame in frames]))
-        self.metrics_.batch("decode", len(frames))
+        self._metrics.batch("decode", len(frames))
         for frame, samples in zip(frames, audio.cpu(), strict=True):
             request = frame.request
             if request.frames_delivered == 0:
@@ -576,6 +576,6 @@ class Engine:
                 request.metrics.first_audio_at = now()
             request.frames_delivered += 1
             request.metrics.audio_samples += samples.numel()
-            self.metrics_.audio(samples.numel() / self.sample_rate)
+            self._metrics.audio(samples.numel() / self.sample_rate)
             if not request.cancelled:
                 request.sink(AudioChunk(samples.numpy(), frame.clause))
