@@ -9,7 +9,9 @@ off this equals the reference package.
 
 from __future__ import annotations
 
+import queue
 import secrets
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -207,17 +209,53 @@ def generate_latents(
             tail = torch.stack(latents[-options.chain_frames :])
 
 
-@torch.no_grad()
 def generate(
     loaded: LoadedModel, voice: Voice, clauses: list[str], options: GenerationOptions
 ) -> Iterator[torch.Tensor]:
-    """Audio frames [samples_per_frame] (float32, model rate) for the clauses, streamed."""
+    """Audio frames [samples_per_frame] (float32, model rate) for the clauses, streamed.
+
+    As in the reference, latent generation runs on its own thread, one frame ahead of the decoder
+    that runs in the caller's, so the two halves overlap.
+    """
+    options.validate()
+    latents: queue.Queue[torch.Tensor | BaseException | None] = queue.Queue(maxsize=4)
+    stop = threading.Event()
+
+    def offer(item: torch.Tensor | BaseException | None) -> bool:
+        """Queue an item unless the consumer went away."""
+        while not stop.is_set():
+            try:
+                latents.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for _, latent in generate_latents(loaded, voice, clauses, options):
+                if not offer(latent):
+                    return
+            offer(None)
+        except BaseException as e:  # surfaced in the consumer
+            offer(e)
+
+    producer = threading.Thread(target=produce, name="intone-generate", daemon=True)
+    producer.start()
     model = loaded.model
     state = model.mimi.init_decoder_state(1, model.device)
     first = True
-    for _, latent in generate_latents(loaded, voice, clauses, options):
-        audio = model.mimi.decode(model.flow_lm.denormalize(latent)[None, None], state)[0, 0]
-        if first:
-            audio = fade_in(audio, model.sample_rate)
-            first = False
-        yield audio.cpu()
+    try:
+        while (latent := latents.get()) is not None:
+            if isinstance(latent, BaseException):
+                raise latent
+            with torch.no_grad():
+                audio = model.mimi.decode(model.flow_lm.denormalize(latent)[None, None], state)
+            audio = audio[0, 0]
+            if first:
+                audio = fade_in(audio, model.sample_rate)
+                first = False
+            yield audio.cpu()
+    finally:
+        stop.set()
+        producer.join()
