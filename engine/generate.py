@@ -151,7 +151,9 @@ class ClauseGenerator:
         prompt = torch.cat(parts)
         capacity = voice.length + prompt.shape[0] + plan.max_frames
         tf = self.flow_lm.transformer
-        self.pool = KVPool(len(tf.layers), capacity, tf.num_heads, tf.head_dim, device=model.device)
+        self.pool = KVPool(
+            len(tf.layers), capacity, tf.num_heads, tf.head_dim, dtype=tf.dtype, device=model.device
+        )
         self.pool.write(torch.arange(voice.length, device=model.device), voice.keys, voice.values)
         self.slots = torch.arange(capacity)
         self.length = voice.length + prompt.shape[0]

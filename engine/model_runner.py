@@ -39,6 +39,7 @@ class ModelRunner:
             blocks.num_pages * blocks.page_size,
             transformer.num_heads,
             transformer.head_dim,
+            dtype=transformer.dtype,
             device=device,
         )
         self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)

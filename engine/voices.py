@@ -61,6 +61,7 @@ def _prefill_voice(model: PocketTTS, name: str, embeddings: torch.Tensor) -> Voi
         length,
         flow_lm.transformer.num_heads,
         flow_lm.transformer.head_dim,
+        dtype=flow_lm.transformer.dtype,
         device=model.device,
     )
     positions, attention = plan_step(pool, [SequenceStep(torch.arange(length), length)])

@@ -87,7 +87,9 @@ class FlowLM(nn.Module):
         return self.input_linear(latents)
 
     def backbone(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return self.out_norm(self.transformer(x, positions, cache))
+        """Backbone outputs z [N, D], float32 whatever precision the transformer runs in."""
+        x = self.transformer(x.to(self.transformer.dtype), positions, cache)
+        return self.out_norm(x.to(torch.float32))
 
     def eos_logit(self, z: torch.Tensor) -> torch.Tensor:
         return self.out_eos(z.to(torch.float32))[..., 0]

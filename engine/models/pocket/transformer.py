@@ -121,6 +121,10 @@ class Transformer(nn.Module):
             for _ in range(num_layers)
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].linear1.weight.dtype
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
             x = layer(x, positions, cache, index)
