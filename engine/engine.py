@@ -52,6 +52,9 @@ class EngineConfig:
     dtype: str = "float32"
     # Intra-op threads for torch (process-wide); None leaves torch's default.
     torch_threads: int | None = None
+    # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
+    # None runs every batch at its own size, which is cheaper on a CPU.
+    batch_buckets: tuple[int, ...] | None = None
     page_size: int = 16
     num_pages: int | None = None  # None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
@@ -220,7 +223,12 @@ class Engine:
         )
         self.blocks = BlockManager(num_pages, config.page_size)
         self.runner = ModelRunner(
-            self.model, self.blocks, config.max_active, config.flow_steps, self.device
+            self.model,
+            self.blocks,
+            config.max_active,
+            config.flow_steps,
+            self.device,
+            config.batch_buckets,
         )
         self.scheduler = Scheduler(
             self.runner, self.blocks, config.max_active, config.max_prefill_tokens

@@ -27,16 +27,19 @@ class ModelRunner:
         decoder_slots: int,
         flow_steps: int,
         device: torch.device,
+        batch_buckets: tuple[int, ...] | None = None,
     ):
         self.model = model
         self.flow_lm = model.flow_lm
         self.blocks = blocks
         self.flow_steps = flow_steps
         self.device = device
+        self.batch_buckets = sorted(batch_buckets) if batch_buckets else None
         transformer = self.flow_lm.transformer
         self.pool = KVPool(
             self.flow_lm.num_layers,
-            blocks.num_pages * blocks.page_size,
+            # One page past the pool's end is scratch space for the padding rows of a bucket.
+            (blocks.num_pages + 1) * blocks.page_size,
             transformer.num_heads,
             transformer.head_dim,
             dtype=transformer.dtype,
@@ -80,13 +83,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def generate(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One AR step for every request: (latents [B, latent_dim], EOS logits [B])."""
+        """One AR step for every request: (latents [B, latent_dim], EOS logits [B]).
+
+        With batch buckets, padding rows attend only to a scratch slot and are dropped.
+        """
         steps = []
         for request in requests:
             assert request.table is not None
             self.blocks.extend(request.table, 1)
             steps.append(SequenceStep(self.blocks.slots(request.table), 1))
-        positions, attention = plan_step(self.pool, steps)
         previous = torch.stack(
             [r.previous_latent for r in requests if r.previous_latent is not None]
         )
@@ -97,7 +102,23 @@ class ModelRunner:
             [r.noise_clamp for r in requests],
             self.device,
         )
-        return self._generate_step(previous, positions, attention, noise)
+        rows = len(requests)
+        padding = self._bucket(rows) - rows
+        if padding:
+            scratch = torch.tensor([self.blocks.num_pages * self.blocks.page_size])
+            steps += [SequenceStep(scratch, 1)] * padding
+            previous = torch.cat([previous, previous.new_zeros(padding, previous.shape[1])])
+            noise = torch.cat([noise, noise.new_zeros(padding, noise.shape[1])])
+        key_multiple = self.blocks.page_size if self.batch_buckets else 1
+        positions, attention = plan_step(self.pool, steps, key_multiple)
+        latents, eos_logits = self._generate_step(previous, positions, attention, noise)
+        return latents[:rows], eos_logits[:rows]
+
+    def _bucket(self, rows: int) -> int:
+        """Rows padded to the next batch bucket, so steps take a few fixed shapes."""
+        if not self.batch_buckets:
+            return rows
+        return next((b for b in self.batch_buckets if b >= rows), rows)
 
     def _generate_step(
         self,

@@ -81,8 +81,13 @@ class SlotAttention:
         return out.transpose(1, 2).reshape(n, heads, dim)
 
 
-def plan_step(pool: KVPool, steps: list[SequenceStep]) -> tuple[torch.Tensor, SlotAttention]:
-    """Positions [N] and attention metadata for one packed FlowLM step."""
+def plan_step(
+    pool: KVPool, steps: list[SequenceStep], key_multiple: int = 1
+) -> tuple[torch.Tensor, SlotAttention]:
+    """Positions [N] and attention metadata for one packed FlowLM step.
+
+    In a decode step the key length is rounded up to `key_multiple`, so that step shapes repeat.
+    """
     device = pool.keys.device
     positions = torch.cat([torch.arange(len(s.slots) - s.num_new, len(s.slots)) for s in steps]).to(
         device
@@ -90,7 +95,7 @@ def plan_step(pool: KVPool, steps: list[SequenceStep]) -> tuple[torch.Tensor, Sl
     write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]).to(device)
     lengths = [len(s.slots) for s in steps]
     if all(s.num_new == 1 for s in steps):
-        longest = max(lengths)
+        longest = -(-max(lengths) // key_multiple) * key_multiple
         # Pad with slot 0; the mask hides it.
         read_slots = torch.zeros(len(steps), longest, dtype=torch.long)
         for row, s in enumerate(steps):
