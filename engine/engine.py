@@ -236,7 +236,6 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: deque = deque()
         self._decoder_queue: queue.Queue = queue.Queue()
-        self._releasing: set[str] = set()
         self._ids = itertools.count()
         self._running = False
         self._threads: list[threading.Thread] = []
@@ -245,7 +244,7 @@ class Engine:
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
-                "active_requests": lambda: len(self.scheduler.running) + len(self._releasing),
+                "active_requests": lambda: self.scheduler.active,
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
                 "decoder_queue_depth": lambda: self._decoder_queue.qsize(),
@@ -454,7 +453,7 @@ class Engine:
                 self.scheduler.end_clause(request)
                 request.phase = Phase.IDLE
             elif kind == "released":
-                self._releasing.discard(request.id)
+                self.scheduler.releasing.discard(request.id)
 
     def _retire_requests(self) -> None:
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -471,7 +470,7 @@ class Engine:
         admitted = request in self.scheduler.running
         self.scheduler.finish(request)
         if admitted:
-            self._releasing.add(request.id)
+            self.scheduler.releasing.add(request.id)
             self._decoder_queue.put(_Finish(request, cancelled, error))
         elif not cancelled:
             request.sink(error)

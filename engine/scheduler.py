@@ -4,7 +4,7 @@ Each iteration:
 1. admitted requests whose next clause is ready (text complete, previous clause's audio delivered)
    start it if its KV pages can be reserved; then waiting requests are admitted, oldest first,
    while batch slots and pages last. A request that does not fit blocks those behind it, so
-   admission stays FIFO and a big request cannot starve.
+   admission stays FIFO and a big request cannot starve; one with no text yet is skipped.
 2. every started clause that still needs its prompt pass joins one packed prefill;
 3. every generating request joins one AR step.
 """
@@ -42,7 +42,14 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished requests whose decoder row the decoder thread has not freed yet: they still
+        # count against max_active, so a new request always finds a free row.
+        self.releasing: set[str] = set()
         self.voices: dict[str, VoicePrefix] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self.running) + len(self.releasing)
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages one clause may need, the copy of a shared partial voice page included."""
@@ -77,13 +84,15 @@ class Scheduler:
             if request.phase is Phase.IDLE and request.pending and not self.start_clause(request):
                 break
         else:
-            while (
-                self.waiting
-                and len(self.running) < self.max_active
-                and self.waiting[0].pending
-                and self.start_clause(self.waiting[0])
-            ):
-                self.running.append(self.waiting.popleft())
+            for request in list(self.waiting):
+                if self.active >= self.max_active:
+                    break
+                if not request.pending:
+                    continue  # no text yet: not ready, and must not hold up those behind it
+                if not self.start_clause(request):
+                    break
+                self.waiting.remove(request)
+                self.running.append(request)
         prefill, tokens = [], 0
         for request in self.running:
             if request.phase is Phase.PREFILL:
