@@ -1,0 +1,487 @@
+"""intone TTS for LiveKit Agents: the batched Pocket TTS engine, in-process or remote.
+
+In-process (the default), every `TTS` instance of a worker process takes a lease on one shared
+engine per model (`intone.provider.shared`), so the sessions of all jobs in that process batch
+together. That needs the jobs in one process: run the worker with
+`job_executor_type=JobExecutorType.THREAD`. With the default process-per-job executor, each job
+would load its own engine; run `intone serve` once and use `TTS(base_url=...)` instead.
+
+`stream()` sends all of a turn's text into one engine stream as one segment, token by token; the
+engine cuts it into clauses (short first clause for a quick start) and chains them, so there is
+no sentence tokenizer in front of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from livekit.agents import (
+    APIConnectionError,
+    APIConnectOptions,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    tts,
+    utils,
+)
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
+from livekit.agents.utils import aio, is_given
+
+from intone.engine import (
+    AudioChunk,
+    ClauseDone,
+    Engine,
+    EngineConfig,
+    EngineError,
+    EngineFullError,
+    LoadedModel,
+    ModelUnavailableError,
+)
+from intone.provider import shared
+
+from .log import logger
+from .models import TTSModels, TTSVoices
+
+# Pocket TTS's Mimi codec runs at 24 kHz; the audio is resampled if a model says otherwise.
+SAMPLE_RATE = 24000
+NUM_CHANNELS = 1
+
+
+@dataclass
+class _TTSOptions:
+    """What a stream snapshots when it is created; `update_options` changes later streams."""
+
+    voice: str | None
+    temperature: float | None
+    eos_threshold: float | None
+    frames_after_eos: int | None
+    max_frames: int | None
+    noise_clamp: float | None
+    seed: int | None
+    chain_frames: int | None
+
+    def generation(self) -> dict[str, Any]:
+        """The generation settings given, for the engine or the server."""
+        return {k: v for k, v in asdict(self).items() if k != "voice" and v is not None}
+
+
+class TTS(tts.TTS):
+    def __init__(
+        self,
+        *,
+        model: TTSModels | str | Path | LoadedModel | None = None,
+        voice: TTSVoices | str | None = None,
+        base_url: str | None = None,
+        engine: Engine | None = None,
+        engine_config: EngineConfig | None = None,
+        sample_rate: int = SAMPLE_RATE,
+        temperature: float | None = None,
+        eos_threshold: float | None = None,
+        frames_after_eos: int | None = None,
+        max_frames: int | None = None,
+        noise_clamp: float | None = None,
+        seed: int | None = None,
+        chain_frames: int | None = None,
+    ) -> None:
+        """Create intone TTS.
+
+        Args:
+            model: checkpoint directory, config .yaml, hf:// path or "kyutai/pocket-tts" (the
+                default); a `LoadedModel` also works. Instances with the same model share one
+                engine per process.
+            voice: a voice of the checkpoint (e.g. "alba" for the released model), a voice WAV or
+                a voice-state .safetensors; None means the model's default voice.
+            base_url: an `intone serve` address (``ws://host:port``); speech is then made by that
+                server and `model`/`engine_config` are the server's business.
+            engine: an engine you built and own: used as is, never closed by this plugin.
+            engine_config: settings for the shared engine if this instance is the one that
+                creates it (batch slots, KV memory, device...).
+            sample_rate: the output rate; audio is resampled if the model's differs.
+            temperature, eos_threshold, frames_after_eos, max_frames, noise_clamp, seed,
+                chain_frames: generation settings (`intone.engine.GenerationOptions`); None
+                keeps the model's defaults.
+        """
+        super().__init__(
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=False),
+            sample_rate=sample_rate,
+            num_channels=NUM_CHANNELS,
+        )
+        if base_url is not None and engine is not None:
+            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
+        self._model = model
+        self._base_url = base_url
+        self._own_engine = engine
+        self._engine_config = engine_config
+        self._opts = _TTSOptions(
+            voice=voice,
+            temperature=temperature,
+            eos_threshold=eos_threshold,
+            frames_after_eos=frames_after_eos,
+            max_frames=max_frames,
+            noise_clamp=noise_clamp,
+            seed=seed,
+            chain_frames=chain_frames,
+        )
+        # A plain lock, not an asyncio one: an instance may be used from several event loops
+        # (thread executor), and acquisition runs on worker threads.
+        self._backend_lock = threading.Lock()
+        self._backend: shared.SpeechBackend | None = None
+        self._closed = False
+        self._prewarm_task: asyncio.Task[None] | None = None
+
+    @property
+    def model(self) -> str:
+        if isinstance(self._model, LoadedModel):
+            return self._model.source
+        if self._own_engine is not None:
+            return self._own_engine.loaded.source
+        return str(self._model) if self._model is not None else "kyutai/pocket-tts"
+
+    @property
+    def provider(self) -> str:
+        return self._base_url or "intone"
+
+    @property
+    def engine(self) -> Engine | None:
+        """The in-process engine in use (None before first use, or in remote mode)."""
+        backend = self._backend
+        return backend.shared_engine if backend is not None else None
+
+    def update_options(
+        self,
+        *,
+        voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
+        temperature: NotGivenOr[float | None] = NOT_GIVEN,
+        eos_threshold: NotGivenOr[float | None] = NOT_GIVEN,
+        frames_after_eos: NotGivenOr[int | None] = NOT_GIVEN,
+        max_frames: NotGivenOr[int | None] = NOT_GIVEN,
+        noise_clamp: NotGivenOr[float | None] = NOT_GIVEN,
+        seed: NotGivenOr[int | None] = NOT_GIVEN,
+        chain_frames: NotGivenOr[int | None] = NOT_GIVEN,
+    ) -> None:
+        """Change the options of streams created from now on (streams in flight keep theirs)."""
+        given = {
+            "voice": voice,
+            "temperature": temperature,
+            "eos_threshold": eos_threshold,
+            "frames_after_eos": frames_after_eos,
+            "max_frames": max_frames,
+            "noise_clamp": noise_clamp,
+            "seed": seed,
+            "chain_frames": chain_frames,
+        }
+        self._opts = replace(self._opts, **{k: v for k, v in given.items() if is_given(v)})
+
+    def synthesize(
+        self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> ChunkedStream:
+        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+
+    def stream(
+        self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> SynthesizeStream:
+        return SynthesizeStream(tts=self, conn_options=conn_options)
+
+    def prewarm(self) -> None:
+        """Load, start and warm the engine (or connect to the server) before the first turn.
+
+        Inside an event loop this runs in the background; outside one (a worker's setup
+        function) it blocks until the engine is ready.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            if self._backend is None:
+                self._set_backend(self._make_backend_sync())
+            return
+        # Don't replace a prewarm still in flight: aclose() cancels only the latest one.
+        if self._prewarm_task is None or self._prewarm_task.done():
+            self._prewarm_task = loop.create_task(self._prewarm())
+
+    async def _prewarm(self) -> None:
+        try:
+            backend = await self._get_backend()
+            if isinstance(backend, shared.RemoteBackend):
+                await backend.connect()  # this event loop's connection, ready for the first turn
+        except Exception as e:  # the first stream reports it as an APIError
+            logger.warning("intone prewarm failed: %s", e)
+
+    async def aclose(self) -> None:
+        """Release this instance's hold on the shared engine; other instances keep using it."""
+        self._closed = True
+        if self._prewarm_task is not None:
+            await aio.cancel_and_wait(self._prewarm_task)
+        with self._backend_lock:
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            await backend.aclose()
+
+    # ---- backend
+
+    def _make_backend_sync(self) -> shared.SpeechBackend:
+        if self._base_url is not None:
+            return shared.RemoteBackend(self._base_url)
+        if self._own_engine is not None:
+            return shared.EngineBackend(shared.borrow(self._own_engine))
+        return shared.EngineBackend(shared.acquire(self._model, config=self._engine_config))
+
+    def _set_backend(self, backend: shared.SpeechBackend) -> shared.SpeechBackend:
+        """Keep the first backend made; a concurrent second one is given back."""
+        with self._backend_lock:
+            if self._backend is None and not self._closed:
+                self._backend = backend
+                return backend
+            current = self._backend
+        # Another stream won the race (or aclose() ran): drop ours without blocking the loop.
+        threading.Thread(target=_close_backend, args=(backend,), daemon=True).start()
+        if current is None:
+            raise APIConnectionError("intone TTS is closed", retryable=False)
+        return current
+
+    async def _get_backend(self) -> shared.SpeechBackend:
+        if self._closed:
+            raise APIConnectionError("intone TTS is closed", retryable=False)
+        backend = self._backend
+        if backend is not None:
+            return backend
+        try:
+            made = await asyncio.to_thread(self._make_backend_sync)
+        except Exception as e:
+            raise _api_error(e) from e
+        return self._set_backend(made)
+
+
+def _close_backend(backend: shared.SpeechBackend) -> None:
+    asyncio.run(backend.aclose())
+
+
+class ChunkedStream(tts.ChunkedStream):
+    """`synthesize()`: the whole text as one engine request, audio streamed as it is made."""
+
+    def __init__(self, *, tts: TTS, input_text: str, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=self._tts.sample_rate,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+        )
+        if not self.input_text.strip():
+            return
+        backend = await self._tts._get_backend()
+        speech = await _open_speech(backend, self._opts, self._tts.sample_rate)
+        finished = False
+        try:
+            progress = _Progress()
+            await speech.push_text(self.input_text)
+            await speech.end_input()
+            progress.input_ended = True
+            await _pump(
+                speech,
+                output_emitter,
+                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                self._conn_options.timeout,
+                progress,
+            )
+            finished = True
+            output_emitter.flush()
+        except asyncio.CancelledError:
+            speech.cancel()
+            raise
+        except APIError:
+            raise
+        except Exception as e:
+            raise _api_error(e) from e
+        finally:
+            if not finished:
+                speech.cancel()
+
+
+class SynthesizeStream(tts.SynthesizeStream):
+    """`stream()`: one segment, one engine stream; text goes in as it arrives."""
+
+    def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        request_id = utils.shortuuid()
+        output_emitter.initialize(
+            request_id=request_id,
+            sample_rate=self._tts.sample_rate,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+            stream=True,
+        )
+        # The engine request opens with the first text, not with the stream: the agent opens
+        # its TTS stream before the LLM's first token, and an open request holds a batch slot.
+        first = await self._next_text()
+        if first is None:
+            return
+        backend = await self._tts._get_backend()
+        speech = await _open_speech(backend, self._opts, self._tts.sample_rate)
+        finished = False
+        progress = _Progress()
+        feed_task: asyncio.Task[None] | None = None
+        try:
+            output_emitter.start_segment(segment_id=request_id)
+            self._mark_started()
+            await speech.push_text(first)
+            feed_task = asyncio.create_task(
+                self._feed(speech, progress, has_text=bool(first.strip())),
+                name="intone.SynthesizeStream._feed",
+            )
+            await _pump(
+                speech,
+                output_emitter,
+                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                self._conn_options.timeout,
+                progress,
+            )
+            if progress.feed_error is not None:
+                raise progress.feed_error
+            finished = True
+            output_emitter.end_segment()
+        except asyncio.CancelledError:
+            # Barge-in: the agent closes the stream; free the engine's slot and KV pages now.
+            speech.cancel()
+            raise
+        except APIError:
+            raise
+        except Exception as e:
+            raise _api_error(e) from e
+        finally:
+            if not finished:
+                speech.cancel()
+            if feed_task is not None:
+                await aio.cancel_and_wait(feed_task)
+
+    async def _next_text(self) -> str | None:
+        """The first text pushed; None if the input ends without any."""
+        async for data in self._input_ch:
+            if isinstance(data, str):
+                return data
+        return None
+
+    async def _feed(self, speech: shared.SpeechStream, progress: _Progress, has_text: bool) -> None:
+        try:
+            async for data in self._input_ch:
+                if isinstance(data, self._FlushSentinel):
+                    if has_text:
+                        # One segment per stream: the framework drops text pushed after a
+                        # flush, so the flush is the end of this request's input.
+                        break
+                    continue
+                await speech.push_text(data)
+                has_text |= bool(data.strip())
+            if has_text:
+                await speech.end_input()
+                progress.input_ended = True
+            else:
+                speech.cancel()  # whitespace only: nothing to say
+        except Exception as e:
+            # Reported by _run once the stream has stopped.
+            progress.feed_error = e
+            speech.cancel()
+
+
+@dataclass
+class _Progress:
+    input_ended: bool = False
+    clauses_done: int = 0
+    feed_error: Exception | None = None
+
+    def owes_audio(self, speech: shared.SpeechStream) -> bool:
+        """Whether the engine has text it has not finished speaking (what the timeout guards).
+
+        Before the input ends, only clauses already submitted count: the LLM may be slow to
+        send the rest of a clause, and that is not the engine's fault.
+        """
+        if self.input_ended:
+            return True
+        return speech.submitted_clauses > self.clauses_done
+
+
+async def _open_speech(
+    backend: shared.SpeechBackend, opts: _TTSOptions, sample_rate: int
+) -> shared.SpeechStream:
+    try:
+        return await backend.open_stream(opts.voice, opts.generation(), sample_rate)
+    except APIError:
+        raise
+    except Exception as e:
+        raise _api_error(e) from e
+
+
+async def _pump(
+    speech: shared.SpeechStream,
+    output_emitter: tts.AudioEmitter,
+    resampler: shared.Resampler,
+    timeout: float,
+    progress: _Progress,
+) -> None:
+    """Move the engine's audio to the emitter as int16 PCM until the request ends."""
+    events = speech.__aiter__()
+    # The wait for the next event outlives a timeout that turns out to be harmless: cancelling
+    # it would close a remote stream's async generator.
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(events.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=timeout)
+            if not done:
+                if progress.owes_audio(speech):
+                    raise APITimeoutError(f"intone produced no audio for {timeout:.1f} s")
+                continue
+            finished, pending = pending, None
+            try:
+                event = finished.result()
+            except StopAsyncIteration:
+                break
+            if isinstance(event, AudioChunk):
+                samples = resampler.push(event.samples)
+                if samples.size:
+                    output_emitter.push(shared.to_pcm16(samples))
+            elif isinstance(event, ClauseDone):
+                progress.clauses_done += 1
+    finally:
+        if pending is not None:
+            pending.cancel()
+    tail = resampler.flush()
+    if tail.size:
+        output_emitter.push(shared.to_pcm16(tail))
+
+
+def _api_error(e: BaseException) -> APIError:
+    """The LiveKit error for an engine or client failure: decides retry and error reporting."""
+    if isinstance(e, APIError):
+        return e
+    remote = shared.remote_error_status(e)
+    if remote is not None:
+        status, retryable = remote
+        if status is None:
+            return APIConnectionError(f"intone server: {e}", retryable=retryable)
+        return APIStatusError(str(e), status_code=status, retryable=retryable)
+    if isinstance(e, EngineFullError):
+        # Full for now: another attempt (or another worker) may have room.
+        return APIStatusError(str(e), status_code=503, retryable=True)
+    if isinstance(e, ModelUnavailableError):
+        return APIConnectionError(f"intone model unavailable: {e}", retryable=False)
+    if isinstance(e, ValueError):
+        # Bad voice, options or text: the same request would fail again.
+        return APIStatusError(str(e), status_code=400, retryable=False)
+    if isinstance(e, EngineError):
+        return APIStatusError(f"intone engine error: {e}", status_code=500, retryable=True)
+    if isinstance(e, TimeoutError):
+        return APITimeoutError(f"intone: {e}")
+    return APIConnectionError(f"intone: {type(e).__name__}: {e}", retryable=True)

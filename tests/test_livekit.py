@@ -1,0 +1,532 @@
+"""The LiveKit plugin with the real framework, offline: AgentSessions with a fake LLM and an audio
+output that plays in real time, several job-like threads sharing one engine, errors, load, and
+remote mode against an in-process `intone serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import uvicorn
+from livekit import rtc
+from livekit.agents import (
+    Agent,
+    AgentSession,
+    APIConnectionError,
+    APIConnectOptions,
+    APIStatusError,
+    APITimeoutError,
+    Plugin,
+    llm,
+)
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+from livekit.agents.voice import io
+from livekit.plugins import intone
+
+from intone.engine import Engine, EngineConfig
+from intone.provider import shared
+from intone.provider.server import create_app
+
+# Clauses of a fixed length (random weights never hit EOS at this threshold): short, known audio.
+FAST = {"eos_threshold": 1e9, "max_frames": 8}
+NO_RETRY = APIConnectOptions(max_retry=0, timeout=5.0)
+FRAME_SECONDS = 0.08  # one Mimi frame at 12.5 Hz
+
+
+# ---- framework pieces: a fake LLM and a real-time audio sink
+
+
+class FakeLLM(llm.LLM):
+    """Streams a fixed reply token by token, `delay` seconds apart."""
+
+    def __init__(self, reply: str, delay: float = 0.01):
+        super().__init__()
+        self.reply = reply
+        self.delay = delay
+
+    def chat(
+        self,
+        *,
+        chat_ctx: llm.ChatContext,
+        tools: list | None = None,
+        conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS,
+        **kwargs: object,
+    ) -> FakeLLMStream:
+        return FakeLLMStream(self, chat_ctx=chat_ctx, tools=tools or [], conn_options=conn_options)
+
+
+class FakeLLMStream(llm.LLMStream):
+    async def _run(self) -> None:
+        fake: FakeLLM = self._llm  # type: ignore[assignment]
+        for i, word in enumerate(fake.reply.split(" ")):
+            await asyncio.sleep(fake.delay)
+            delta = llm.ChoiceDelta(role="assistant", content=word if i == 0 else " " + word)
+            self._event_ch.send_nowait(llm.ChatChunk(id="fake", delta=delta))
+
+
+class RealtimeAudioOutput(io.AudioOutput):
+    """Plays what it is given at wall-clock speed (like a room track) and records it."""
+
+    def __init__(self) -> None:
+        super().__init__(label="RealtimeTest", capabilities=io.AudioOutputCapabilities(pause=False))
+        self.frames: list[rtc.AudioFrame] = []
+        self.played: list[tuple[bool, float]] = []  # (interrupted, position) per segment
+        self.cleared = 0
+        self.first_frame_at: float | None = None
+        self._segment = 0.0
+        self._started_at: float | None = None
+        self._interrupted: asyncio.Event | None = None
+        self._playout: asyncio.Task | None = None
+
+    @property
+    def captured_seconds(self) -> float:
+        return sum(f.duration for f in self.frames)
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        await super().capture_frame(frame)
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+            self.first_frame_at = self.first_frame_at or self._started_at
+            self._interrupted = asyncio.Event()
+            self.on_playback_started(created_at=time.time())
+        self._segment += frame.duration
+        self.frames.append(frame)
+
+    def flush(self) -> None:
+        super().flush()
+        if self._started_at is not None and self._playout is None:
+            self._playout = asyncio.create_task(self._play_out())
+
+    def clear_buffer(self) -> None:
+        self.cleared += 1
+        if self._interrupted is not None:
+            self._interrupted.set()
+            if self._playout is None and self._started_at is not None:
+                self._playout = asyncio.create_task(self._play_out())
+
+    async def _play_out(self) -> None:
+        assert self._started_at is not None and self._interrupted is not None
+        remaining = self._started_at + self._segment - time.monotonic()
+        try:
+            await asyncio.wait_for(self._interrupted.wait(), max(0.0, remaining))
+            interrupted = True
+        except TimeoutError:
+            interrupted = False
+        position = min(self._segment, time.monotonic() - self._started_at)
+        self.played.append((interrupted, position))
+        self._segment, self._started_at, self._playout = 0.0, None, None
+        self.on_playback_finished(playback_position=position, interrupted=interrupted)
+
+
+async def start_session(tts: intone.TTS, reply: str = "Hi.", delay: float = 0.01):
+    session = AgentSession(llm=FakeLLM(reply, delay), tts=tts)
+    output = RealtimeAudioOutput()
+    session.output.audio = output
+    await session.start(agent=Agent(instructions="You are a test."))
+    return session, output
+
+
+async def wait_until(condition, timeout: float = 5.0, interval: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+def idle(engine: Engine, pages_at_idle: int) -> bool:
+    m = engine.metrics()
+    return (
+        m["active_requests"] == 0
+        and m["queued_requests"] == 0
+        and m["kv_pages_in_use"] == pages_at_idle
+    )
+
+
+def batched_steps(engine: Engine) -> int:
+    """AR steps that ran more than one request."""
+    histogram = engine.metrics()["generate_batch_histogram"]
+    return sum(count for size, count in histogram.items() if int(size) > 1)
+
+
+# ---- fixtures
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path):
+    """The module's shared engine of the tiny checkpoint, pinned as a worker's prewarm pins it."""
+    engine = intone.prewarm(str(tiny_checkpoint))
+    yield engine
+    shared.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server_url(engine: Engine):
+    """`intone serve`'s app on a free loopback port, on a thread of its own, over the module's
+    engine (so the tests can watch the engine the server uses)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(engine), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield f"ws://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+@pytest.fixture
+def pages_at_idle(engine: Engine) -> int:
+    assert engine.is_idle()
+    return engine.metrics()["kv_pages_in_use"]  # the voice prefixes
+
+
+# ---- tests
+
+
+def test_plugin_is_registered_and_streams(tiny_checkpoint: Path):
+    assert any(type(p).__name__ == "IntonePlugin" for p in Plugin.registered_plugins)
+    tts = intone.TTS(model=tiny_checkpoint)
+    assert tts.capabilities.streaming
+    assert (tts.sample_rate, tts.num_channels) == (24000, 1)
+    assert tts.provider == "intone"
+
+
+def test_prewarm_outside_a_loop_loads_the_shared_engine(engine: Engine, tiny_checkpoint: Path):
+    tts = intone.TTS(model=tiny_checkpoint)
+    tts.prewarm()  # as in a worker's setup function: blocks until ready
+    assert tts.engine is engine
+    assert engine.metrics()["decode_batches"] > 0  # warmed up
+    asyncio.run(tts.aclose())
+    assert engine in shared.engines()  # pinned: closing the instance keeps it
+
+
+async def test_say_and_run_speak_in_real_time(engine: Engine, tiny_checkpoint: Path):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    metrics = []
+    tts.on("metrics_collected", metrics.append)
+    reply = "Sure thing, here is my answer. It has two sentences."
+    session, output = await start_session(tts, reply)
+    completed = engine.metrics()["requests_completed"]
+
+    started = time.monotonic()
+    await session.say("Hello there. This is intone speaking.")
+    said = output.captured_seconds
+    assert said > 0
+    # Played at wall-clock speed: the handle completes once the audio has played out.
+    assert time.monotonic() - started >= said * 0.9
+    assert output.played[-1] == (False, pytest.approx(said, abs=0.05))
+
+    result = session.run(user_input="What do you say?")
+    await result
+    assert output.captured_seconds > said
+    assert engine.metrics()["requests_completed"] == completed + 2
+
+    frame = output.frames[0]
+    assert (frame.sample_rate, frame.num_channels) == (24000, 1)
+    assert np.frombuffer(frame.data, dtype=np.int16).size == frame.samples_per_channel
+    assert len(metrics) == 2 and all(m.ttfb > 0 and m.streamed for m in metrics)
+    assert metrics[1].characters_count == len(reply)
+    await session.aclose()
+    await tts.aclose()
+
+
+async def test_barge_in_stops_audio_and_frees_the_engine(
+    engine: Engine, tiny_checkpoint: Path, pages_at_idle: int
+):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    # A slow LLM keeps the turn's engine request open while its first clauses play.
+    reply = " ".join(["This reply goes on for quite a while, clause after clause."] * 6)
+    session, output = await start_session(tts, reply, delay=0.04)
+    cancelled = engine.metrics()["requests_cancelled"]
+
+    handle = session.generate_reply(user_input="Talk to me.")
+    await wait_until(lambda: output.first_frame_at is not None)
+    await asyncio.sleep(0.3)
+    assert engine.metrics()["active_requests"] == 1  # mid-utterance
+    await session.interrupt()
+    await handle
+    assert handle.interrupted
+
+    await wait_until(lambda: idle(engine, pages_at_idle), timeout=2.0)
+    assert engine.metrics()["requests_cancelled"] == cancelled + 1
+    assert output.cleared >= 1 and output.played[-1][0]  # playback stopped as interrupted
+    heard = output.captured_seconds
+    await asyncio.sleep(0.5)
+    assert output.captured_seconds == heard  # no audio after the barge-in
+    assert heard < 10 * FRAME_SECONDS * 8  # far less than the whole reply
+    await session.aclose()
+    await tts.aclose()
+
+
+def test_thread_executor_jobs_share_one_engine_and_batch(engine: Engine, tiny_checkpoint: Path):
+    """What JobExecutorType.THREAD does: each job on its own thread, event loop and session."""
+    jobs = 3
+    barrier = threading.Barrier(jobs)
+    results: dict[int, dict] = {}
+    before = batched_steps(engine)
+
+    async def job(index: int) -> None:
+        tts = intone.TTS(model=tiny_checkpoint, **FAST)
+        session, output = await start_session(tts)
+        await asyncio.to_thread(barrier.wait)  # all sessions speak at once
+        await session.say(f"Session {index} says hello. It shares the engine with the others.")
+        results[index] = {"engine": tts.engine, "seconds": output.captured_seconds}
+        await session.aclose()
+        await tts.aclose()
+
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            asyncio.run(job(index))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(results) == jobs
+    assert all(r["engine"] is engine for r in results.values())
+    assert all(r["seconds"] > 0 for r in results.values())
+    assert batched_steps(engine) > before  # the sessions' requests ran in the same AR steps
+    assert engine.is_idle()
+
+
+async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint: Path, tmp_path):
+    # A copy is another model key: an engine of its own, not pinned, so counting shows.
+    model = shutil.copytree(tiny_checkpoint, tmp_path / "copy")
+    first, second = intone.TTS(model=model, **FAST), intone.TTS(model=model, **FAST)
+    await first.synthesize("One.").collect()
+    await second.synthesize("Two.").collect()
+    assert first.engine is second.engine
+    assert shared.users(model) == 2
+
+    await first.aclose()
+    assert shared.users(model) == 1
+    frame = await second.synthesize("Still here.").collect()
+    assert frame.duration > 0
+    with pytest.raises(APIConnectionError):
+        await first.synthesize("Closed.", conn_options=NO_RETRY).collect()
+
+    engine = second.engine
+    await second.aclose()
+    assert shared.users(model) == 0 and engine not in shared.engines()
+
+
+async def test_load_fnc_reflects_engine_occupancy(engine: Engine, tiny_checkpoint: Path):
+    assert intone.load_fnc() == 0.0
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    streams = [tts.stream() for _ in range(4)]
+    for stream in streams:
+        stream.push_text("An open turn that waits for the rest of its text")
+    await wait_until(lambda: intone.load_fnc() == 4 / engine.config.max_active)
+    for stream in streams:
+        await stream.aclose()
+    await wait_until(lambda: intone.load_fnc() == 0.0)
+    await tts.aclose()
+
+
+async def test_load_is_full_when_every_slot_is_taken(tiny_checkpoint: Path, tmp_path):
+    model = shutil.copytree(tiny_checkpoint, tmp_path / "two-slots")
+    tts = intone.TTS(model=model, engine_config=EngineConfig(max_active=2), **FAST)
+    streams = [tts.stream() for _ in range(3)]  # two generate, one waits for a slot
+    for stream in streams:
+        stream.push_text("Waiting for more text")
+    await wait_until(lambda: tts.engine is not None and shared.occupancy(tts.engine) == 1.0)
+    assert intone.load_fnc() == 1.0
+    for stream in streams:
+        await stream.aclose()
+    await tts.aclose()
+    assert intone.load_fnc() == 0.0
+
+
+async def test_errors_map_to_api_errors(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
+    try:
+        tts = intone.TTS(engine=engine, **FAST)
+        errors = []
+        tts.on("error", errors.append)
+
+        # A bad request: not retried, reported as unrecoverable.
+        with pytest.raises(APIStatusError) as bad_voice:
+            await intone.TTS(engine=engine, voice="nobody").synthesize("Hi.").collect()
+        assert bad_voice.value.status_code == 400 and not bad_voice.value.retryable
+
+        # The one batch slot taken by an open turn: the next request waits in the queue
+        # and times out; the one after finds the queue full.
+        holder = tts.stream()
+        holder.push_text("This open turn has a first clause, and then it waits")
+        await wait_until(lambda: engine.metrics()["active_requests"] == 1)
+        queued = tts.stream(conn_options=APIConnectOptions(max_retry=0, timeout=0.5))
+        queued.push_text("Queued.")
+        queued.end_input()
+        with pytest.raises(APITimeoutError):
+            async for _ in queued:
+                pass
+        assert errors and not errors[-1].recoverable
+        await wait_until(lambda: engine.metrics()["queued_requests"] == 0)
+        waiting = engine.stream()  # occupies the queue's one place
+        with pytest.raises(APIStatusError) as full:
+            await tts.synthesize("Full.", conn_options=NO_RETRY).collect()
+        assert full.value.status_code == 503 and full.value.retryable
+        waiting.cancel()
+        await holder.aclose()
+        await queued.aclose()
+    finally:
+        engine.close()
+
+    # A stopped engine.
+    with pytest.raises(APIConnectionError):
+        await intone.TTS(engine=engine).synthesize("Hi.", conn_options=NO_RETRY).collect()
+
+
+async def test_timeout_spares_a_slow_llm(engine: Engine, tiny_checkpoint: Path):
+    """The timeout guards the engine, not the LLM: a pause mid-clause before the input ends is
+    the LLM's, so it does not fail the stream."""
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    stream = tts.stream(conn_options=APIConnectOptions(max_retry=0, timeout=0.3))
+    stream.push_text("Well")
+    await asyncio.sleep(0.8)  # more than the timeout, with no clause complete
+    stream.push_text(", here is the rest of it.")
+    stream.end_input()
+    frames = [event.frame async for event in stream]
+    assert sum(f.duration for f in frames) > 0
+    await stream.aclose()
+    await tts.aclose()
+
+
+async def test_synthesize_and_resampling(engine: Engine, tiny_checkpoint: Path):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    frame = await tts.synthesize("Hello there. A second clause.").collect()
+    assert (frame.sample_rate, frame.num_channels) == (24000, 1)
+    assert frame.duration == pytest.approx(2 * 8 * FRAME_SECONDS, abs=0.02)
+
+    narrow = intone.TTS(model=tiny_checkpoint, sample_rate=16000, **FAST)
+    frame = await narrow.synthesize("Hello there. A second clause.").collect()
+    assert frame.sample_rate == 16000
+    assert frame.duration == pytest.approx(2 * 8 * FRAME_SECONDS, abs=0.02)
+    await tts.aclose()
+    await narrow.aclose()
+
+
+async def test_update_options_applies_to_new_streams(engine: Engine, tiny_checkpoint: Path):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    before = tts.stream()
+    wav = str(tiny_checkpoint / "voices" / "default.wav")
+    tts.update_options(voice=wav, max_frames=4)
+    after = tts.stream()
+    assert before._opts.voice is None and before._opts.max_frames == 8
+    assert after._opts.voice == wav and after._opts.max_frames == 4
+    await before.aclose()
+    await after.aclose()
+    # A voice file the engine has not seen is added on first use.
+    frame = await tts.synthesize("A new voice.").collect()
+    assert wav in engine.voices
+    assert frame.duration == pytest.approx(4 * FRAME_SECONDS, abs=0.02)
+    await tts.aclose()
+
+
+async def test_remote_mode_speaks_through_intone_serve(engine: Engine, server_url: str):
+    tts = intone.TTS(base_url=server_url, **FAST)
+    assert tts.engine is None
+    session, output = await start_session(tts, "A remote reply. It comes over a WebSocket.")
+    completed = engine.metrics()["requests_completed"]
+    await session.say("Hello from the server.")
+    said = output.captured_seconds
+    assert said == pytest.approx(8 * FRAME_SECONDS, abs=0.05)  # one clause
+    await session.run(user_input="And now?")
+    assert output.captured_seconds > said
+    assert engine.metrics()["requests_completed"] == completed + 2
+    frame = output.frames[0]
+    assert (frame.sample_rate, frame.num_channels) == (24000, 1)
+    await session.aclose()
+    await tts.aclose()
+
+
+async def test_remote_barge_in_frees_the_server_engine(
+    engine: Engine, server_url: str, pages_at_idle: int
+):
+    tts = intone.TTS(base_url=server_url, sample_rate=16000, **FAST)
+    reply = " ".join(["This reply goes on for quite a while, clause after clause."] * 6)
+    session, output = await start_session(tts, reply, delay=0.04)
+    cancelled = engine.metrics()["requests_cancelled"]
+    handle = session.generate_reply(user_input="Talk to me.")
+    await wait_until(lambda: output.first_frame_at is not None)
+    assert output.frames[0].sample_rate == 16000  # resampled by the server
+    await asyncio.sleep(0.3)
+    await session.interrupt()
+    await handle
+    assert handle.interrupted
+    await wait_until(lambda: idle(engine, pages_at_idle), timeout=2.0)
+    assert engine.metrics()["requests_cancelled"] == cancelled + 1
+    heard = output.captured_seconds
+    await asyncio.sleep(0.5)
+    assert output.captured_seconds == heard
+    await session.aclose()
+    await tts.aclose()
+
+
+async def test_remote_errors_map_to_api_errors(server_url: str):
+    with pytest.raises(APIStatusError) as bad_voice:
+        await intone.TTS(base_url=server_url, voice="nobody").synthesize("Hi.").collect()
+    assert bad_voice.value.status_code == 400 and not bad_voice.value.retryable
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a port nothing listens on
+    port = sock.getsockname()[1]
+    sock.close()
+    down = intone.TTS(base_url=f"ws://127.0.0.1:{port}")
+    with pytest.raises(APIConnectionError):
+        await down.synthesize("Hi.", conn_options=NO_RETRY).collect()
+
+
+async def test_example_agent_speaks_offline(
+    engine: Engine, tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """agents_examples/livekit_agent.py: its server settings, and its session without OpenAI."""
+    monkeypatch.setenv("INTONE_MODEL", str(tiny_checkpoint))
+    monkeypatch.delenv("INTONE_URL", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    example = load_example("livekit_agent")
+    assert example.server.load_fnc is intone.load_fnc
+    assert example.server.setup_fnc is example.prewarm
+
+    session = example.make_session()
+    assert session.tts.engine is None or session.tts.engine is engine
+    output = RealtimeAudioOutput()
+    session.output.audio = output
+    await session.start(agent=example.Assistant())  # greets on enter
+    await wait_until(lambda: output.played, timeout=20)
+    greeted = output.captured_seconds
+    assert greeted > 0 and session.tts.engine is engine
+    await session.run(user_input="Testing one two.")
+    assert output.captured_seconds > greeted
+    await session.aclose()
+    await session.tts.aclose()
+
+
+def load_example(name: str):
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "agents_examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

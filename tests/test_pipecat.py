@@ -1,0 +1,316 @@
+"""The Pipecat service with the real framework, offline: run_test pipelines with speak frames, LLM
+token turns, interruptions, settings updates, batching across pipelines and remote mode against
+an in-process `intone serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from pipecat.frames.frames import (
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    MetricsFrame,
+    TTSAudioRawFrame,
+    TTSSpeakFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+    TTSUpdateSettingsFrame,
+)
+from pipecat.metrics.metrics import TTFBMetricsData, TTSUsageMetricsData
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.services.settings import TTSSettings
+from pipecat.services.tts_service import TextAggregationMode
+from pipecat.tests.utils import SleepFrame, run_test
+from pipecat.utils.errors import ErrorCategory
+
+from intone.engine import Engine
+from intone.provider import shared
+from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
+from intone.provider.server import create_app
+
+FAST = IntoneTTSService.Settings(eos_threshold=1e9, max_frames=8)
+CLAUSE_SECONDS = 8 * 0.08  # 8 Mimi frames at 12.5 Hz
+METRICS = PipelineParams(enable_metrics=True, enable_usage_metrics=True)
+
+
+def audio(frames: list[Frame]) -> list[TTSAudioRawFrame]:
+    return [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+
+
+def seconds(frames: list[Frame]) -> float:
+    return sum(len(f.audio) / 2 / f.sample_rate for f in audio(frames))
+
+
+def tokens(text: str) -> list[LLMTextFrame]:
+    words = text.split(" ")
+    return [LLMTextFrame(w if i == 0 else " " + w) for i, w in enumerate(words)]
+
+
+def metrics_of(frames: list[Frame], kind: type) -> list:
+    return [d for f in frames if isinstance(f, MetricsFrame) for d in f.data if isinstance(d, kind)]
+
+
+def idle(engine: Engine, pages_at_idle: int) -> bool:
+    m = engine.metrics()
+    return (
+        m["active_requests"] == 0
+        and m["queued_requests"] == 0
+        and m["kv_pages_in_use"] == pages_at_idle
+    )
+
+
+def batched_steps(engine: Engine) -> int:
+    histogram = engine.metrics()["generate_batch_histogram"]
+    return sum(count for size, count in histogram.items() if int(size) > 1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path):
+    """The process's shared engine of the tiny checkpoint, pinned for the module."""
+    engine = shared.prewarm(tiny_checkpoint)
+    yield engine
+    shared.shutdown()
+
+
+@pytest.fixture
+def pages_at_idle(engine: Engine) -> int:
+    assert engine.is_idle()
+    return engine.metrics()["kv_pages_in_use"]
+
+
+@contextlib.contextmanager
+def serving(app):
+    """An ASGI app on a free loopback port, on a thread of its own; yields its ws:// URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server_url(engine: Engine):
+    """`intone serve`'s app over the same engine, so the tests can watch it."""
+    with serving(create_app(engine)) as url:
+        yield url
+
+
+def service(tiny_checkpoint: Path, **kwargs) -> IntoneTTSService:
+    kwargs.setdefault("settings", FAST)
+    return IntoneTTSService(model=tiny_checkpoint, **kwargs)
+
+
+def test_settings_are_a_tts_settings_dataclass(engine: Engine, tiny_checkpoint: Path):
+    tts = service(tiny_checkpoint)
+    assert issubclass(IntoneTTSSettings, TTSSettings)
+    assert tts._settings.eos_threshold == 1e9 and tts._settings.temperature is None
+    assert tts.engine is engine  # loaded once: the process's shared engine
+    assert tts._text_aggregation_mode == TextAggregationMode.TOKEN
+
+
+async def test_speak_frame(engine: Engine, tiny_checkpoint: Path):
+    down, up = await run_test(
+        service(tiny_checkpoint),
+        frames_to_send=[TTSSpeakFrame("Hello there. This is intone speaking.")],
+        pipeline_params=METRICS,
+    )
+    kinds = [type(f) for f in down]
+    started, stopped = kinds.index(TTSStartedFrame), kinds.index(TTSStoppedFrame)
+    first_audio = kinds.index(TTSAudioRawFrame)
+    last_audio = len(kinds) - 1 - kinds[::-1].index(TTSAudioRawFrame)
+    assert started < first_audio and last_audio < stopped
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1
+    assert {(f.sample_rate, f.num_channels) for f in audio(down)} == {(24000, 1)}
+    assert seconds(down) == pytest.approx(2 * CLAUSE_SECONDS, abs=0.01)
+    assert [d.value > 0 for d in metrics_of(down, TTFBMetricsData) if d.value] == [True]
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+
+
+async def test_llm_tokens_resampled_to_the_pipeline_rate(engine: Engine, tiny_checkpoint: Path):
+    text = "Hello there, how are you doing today? I am a fake language model, streaming tokens."
+    completed = engine.metrics()["requests_completed"]
+    down, _ = await run_test(
+        service(tiny_checkpoint),
+        frames_to_send=[LLMFullResponseStartFrame(), *tokens(text), LLMFullResponseEndFrame()],
+        pipeline_params=PipelineParams(
+            audio_out_sample_rate=16000, enable_metrics=True, enable_usage_metrics=True
+        ),
+    )
+    # One turn, one engine stream, one audio context.
+    assert engine.metrics()["requests_completed"] == completed + 1
+    kinds = [type(f) for f in down]
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1
+    assert {f.sample_rate for f in audio(down)} == {16000}
+    clauses = round(seconds(down) / CLAUSE_SECONDS)
+    assert clauses >= 3 and seconds(down) == pytest.approx(clauses * CLAUSE_SECONDS, abs=0.02)
+    assert [d.value for d in metrics_of(down, TTSUsageMetricsData)] == [len(text)]
+    assert [d for d in metrics_of(down, TTFBMetricsData) if d.value]
+    assert kinds.index(LLMFullResponseEndFrame) > kinds.index(TTSStoppedFrame)
+    assert "".join(f.text for f in down if isinstance(f, TTSTextFrame)).replace(" ", "") == (
+        text.replace(" ", "")
+    )
+
+
+async def test_interruption_stops_audio_and_frees_the_engine(
+    engine: Engine, tiny_checkpoint: Path, pages_at_idle: int
+):
+    cancelled = engine.metrics()["requests_cancelled"]
+    words = tokens(" ".join(["This reply goes on for quite a while, clause after clause."] * 4))
+    # The turn never ends: its engine request is still open (waiting for text) when the
+    # interruption comes, so only a cancel can free it.
+    slow = [frame for word in words[:14] for frame in (word, SleepFrame(0.02))]
+    down, _ = await run_test(
+        service(tiny_checkpoint),
+        frames_to_send=[
+            LLMFullResponseStartFrame(),
+            *slow,
+            SleepFrame(0.3),
+            InterruptionFrame(),
+            SleepFrame(0.5),
+            TTSSpeakFrame("After the interruption."),
+        ],
+    )
+    cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
+    before, after = audio(down[:cut]), audio(down[cut:])
+    assert before and after
+    interrupted = before[0].context_id
+    assert all(f.context_id != interrupted for f in after)  # nothing of it after the cut
+    assert engine.metrics()["requests_cancelled"] == cancelled + 1
+    assert idle(engine, pages_at_idle)
+    # The next turn spoke in full.
+    assert seconds(down[cut:]) == pytest.approx(CLAUSE_SECONDS, abs=0.01)
+
+
+async def test_pipelines_share_the_engine_and_batch(engine: Engine, tiny_checkpoint: Path):
+    before = batched_steps(engine)
+    services = [service(tiny_checkpoint) for _ in range(3)]
+    assert all(s.engine is engine for s in services)
+    results = await asyncio.gather(
+        *(
+            run_test(s, frames_to_send=[TTSSpeakFrame(f"Pipeline {i} speaks. All at once.")])
+            for i, s in enumerate(services)
+        )
+    )
+    assert all(seconds(down) > 0 for down, _ in results)
+    assert batched_steps(engine) > before
+
+
+async def test_settings_update_applies_to_the_next_turn(engine: Engine, tiny_checkpoint: Path):
+    down, _ = await run_test(
+        service(tiny_checkpoint),
+        frames_to_send=[
+            TTSSpeakFrame("First turn."),
+            TTSUpdateSettingsFrame(delta=IntoneTTSService.Settings(max_frames=4)),
+            TTSSpeakFrame("Second turn."),
+        ],
+    )
+    per_turn: dict[str, float] = {}
+    for f in audio(down):
+        per_turn[f.context_id] = per_turn.get(f.context_id, 0.0) + len(f.audio) / 2 / 24000
+    assert list(per_turn.values()) == [
+        pytest.approx(CLAUSE_SECONDS, abs=0.01),
+        pytest.approx(CLAUSE_SECONDS / 2, abs=0.01),
+    ]
+
+
+async def test_word_timestamps_are_estimated_per_clause(engine: Engine, tiny_checkpoint: Path):
+    text = "Hello there, my friend. This is a test of word timing."
+    down, _ = await run_test(
+        service(tiny_checkpoint, word_timestamps=True),
+        frames_to_send=[LLMFullResponseStartFrame(), *tokens(text), LLMFullResponseEndFrame()],
+    )
+    words = [f for f in down if isinstance(f, TTSTextFrame)]
+    assert [w.text.strip() for w in words] == text.split(" ")
+    assert all(a.pts <= b.pts for a, b in zip(words, words[1:], strict=False))
+    span = (words[-1].pts - words[0].pts) / 1e9
+    assert 0 < span < seconds(down)
+
+
+async def test_unknown_voice_is_reported(engine: Engine, tiny_checkpoint: Path):
+    tts = service(tiny_checkpoint, settings=IntoneTTSService.Settings(voice="nobody"))
+    text = "Hello there, this turn cannot be spoken in that voice."
+    down, up = await run_test(
+        tts, frames_to_send=[LLMFullResponseStartFrame(), *tokens(text), LLMFullResponseEndFrame()]
+    )
+    errors = [f for f in up if isinstance(f, ErrorFrame) and "unknown voice" in f.error]
+    assert len(errors) == 1  # once per turn, not once per token
+    assert errors[0].category == ErrorCategory.INVALID_REQUEST
+    kinds = [type(f) for f in down]
+    assert not audio(down)
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1
+
+
+async def test_remote_mode(engine: Engine, server_url: str, pages_at_idle: int):
+    tts = IntoneTTSService(base_url=server_url, settings=FAST)
+    assert tts.engine is None
+    completed = engine.metrics()["requests_completed"]
+    text = "A remote turn, streamed token by token to the server. It speaks."
+    down, up = await run_test(
+        tts,
+        frames_to_send=[
+            TTSSpeakFrame("Hello from the server."),
+            LLMFullResponseStartFrame(),
+            *tokens(text),
+            LLMFullResponseEndFrame(),
+        ],
+        pipeline_params=PipelineParams(audio_out_sample_rate=16000, enable_metrics=True),
+    )
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+    assert engine.metrics()["requests_completed"] == completed + 2
+    assert {f.sample_rate for f in audio(down)} == {16000}
+    kinds = [type(f) for f in down]
+    assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 2
+    assert [d for d in metrics_of(down, TTFBMetricsData) if d.value]
+    assert idle(engine, pages_at_idle)
+
+
+async def test_example_bot_over_a_websocket(engine: Engine, tiny_checkpoint: Path, tmp_path):
+    """agents_examples/pipecat_bot.py: the bot behind FastAPI's WebSocket, and its client."""
+    import importlib.util
+    import wave
+
+    path = Path(__file__).parent.parent / "agents_examples" / "pipecat_bot.py"
+    spec = importlib.util.spec_from_file_location("example_pipecat_bot", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    app = example.make_app(str(tiny_checkpoint), None, None, 16000)
+    with serving(app) as url:
+        completed = engine.metrics()["requests_completed"]
+        out = tmp_path / "bot.wav"
+        await example.say(f"{url}/ws", "Hello there! How can I help?", str(out), 16000, None)
+        with wave.open(str(out)) as wav:
+            assert wav.getframerate() == 16000 and wav.getnframes() > 0
+        assert engine.metrics()["requests_completed"] == completed + 1
+
+        cancelled = engine.metrics()["requests_cancelled"]
+        long = " ".join(["A long reply that the client interrupts, clause after clause."] * 8)
+        await example.say(f"{url}/ws", long, str(out), 16000, 0.3)
+        deadline = time.monotonic() + 5
+        while engine.metrics()["requests_cancelled"] == cancelled:
+            assert time.monotonic() < deadline, "the barge-in did not cancel the engine request"
+            await asyncio.sleep(0.01)
