@@ -161,6 +161,9 @@ class Stream:
             return
         self._closed = True
         self._engine._cancel(self.request)
+        # Audio already handed over but not yet consumed is dropped too.
+        while not self._events.empty():
+            self._events.get_nowait()
         self._events.put_nowait(None)
 
     def _check_open(self) -> None:
