@@ -52,6 +52,12 @@ def _say(args: argparse.Namespace) -> None:
     )
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from intone.provider.server.serve import options_from_args, serve
+
+    serve(options_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="intone", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -91,6 +97,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     say.add_argument("--float", action="store_true", help="write 32-bit float WAV")
     say.set_defaults(run=_say)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the server: WebSocket streaming, OpenAI-compatible /v1/audio/speech, demo "
+        "page at /, /healthz and /metrics (see docs/server.md)",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
+        "model; if it can't be had, a generated random-weight checkpoint, with a warning)",
+    )
+    serve.add_argument(
+        "--voices", type=Path, default=None, help="directory of voice prompts "
+        "(.wav/.flac/.mp3/.safetensors), each registered under its file stem",
+    )  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="seconds in-flight streams get to finish on SIGTERM before they are cancelled",
+    )  # fmt: skip
+    serve.add_argument("--log-json", action="store_true", help="JSON-lines logs")
+    serve.add_argument(
+        "--fallback-preset", choices=["full", "tiny", "none"], default="full",
+        help="random-weight checkpoint to serve when the default model is unavailable "
+        "('none': fail instead)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+        help="map a requested voice name (e.g. an OpenAI one: alloy) to a registry voice",
+    )  # fmt: skip
+    serve.add_argument("--max-streams-per-connection", type=int, default=32)
+    serve.add_argument("--max-message-bytes", type=int, default=64 * 1024)
+    serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
+    serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
+    serve.add_argument("--kv-memory-mb", type=float, default=256.0)
+    serve.add_argument("--device", default="cpu")
+    serve.set_defaults(run=_serve)
     return parser
 
 

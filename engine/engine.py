@@ -122,6 +122,7 @@ class Stream:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._ended = False
         self._chars = 0
         self._clauses = 0
         self._has_text = False
@@ -136,11 +137,11 @@ class Stream:
 
     def push_text(self, text: str) -> None:
         self._check_open()
-        self._chars += len(text)
-        if self._chars > self._engine.config.max_text_chars:
+        if self._chars + len(text) > self._engine.config.max_text_chars:
             raise ValueError(
                 f"text over the limit of {self._engine.config.max_text_chars} characters"
             )
+        self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
 
@@ -157,8 +158,6 @@ class Stream:
 
     def cancel(self) -> None:
         """Stop now: no audio is delivered after this returns; engine state is released."""
-        if self._closed:
-            return
         self._closed = True
         self._engine._cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
@@ -180,7 +179,10 @@ class Stream:
 
     def _post(self, event: object) -> None:
         """Called from engine threads."""
-        self._loop.call_soon_threadsafe(self._deliver, event)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
+            self._engine._cancel(self.request)
 
     def _deliver(self, event: object) -> None:
         if not self._closed:
@@ -192,10 +194,14 @@ class Stream:
         return self
 
     async def __anext__(self) -> AudioChunk | ClauseDone:
+        if self._ended:
+            raise StopAsyncIteration
         event = await self._events.get()
         if event is None:
+            self._ended = True
             raise StopAsyncIteration
         if isinstance(event, Exception):
+            self._ended = True
             raise event
         return event
 
@@ -237,7 +243,7 @@ class Engine:
             self.runner, self.blocks, config.max_active, config.max_prefill_tokens
         )
         self._lock = threading.Condition()
-        self._inbox: deque = deque()
+        self._delivered: deque[Request] = deque()
         self._decoder_queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._running = False
@@ -283,9 +289,10 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Cancel everything in flight and stop the threads."""
+        """Stop the threads; streams still open end with an EngineError."""
         with self._lock:
-            for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+            open_requests = list(self.scheduler.waiting) + list(self.scheduler.running)
+            for request in open_requests:
                 request.cancelled = True
             self._running = False
             self._lock.notify_all()
@@ -293,6 +300,8 @@ class Engine:
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads = []
+        for request in open_requests:
+            request.sink(EngineError("the engine was closed"))
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -390,10 +399,12 @@ class Engine:
         pages = self.scheduler.clause_pages(
             request.voice, request.chain_frames + len(plan.tokens), plan.max_frames
         )
-        if pages > self.blocks.num_pages:
+        capacity = self.scheduler.clause_capacity()
+        if pages > capacity:
             raise ValueError(
-                f"a clause needs {pages} KV pages but the pool has {self.blocks.num_pages}: "
-                "raise num_pages or lower max_frames"
+                f"a clause needs {pages} KV pages but only {capacity} of the pool's "
+                f"{self.blocks.num_pages} are not held by voices: raise num_pages or lower "
+                "max_frames"
             )
         return plan
 
@@ -430,7 +441,7 @@ class Engine:
             with self._lock:
                 batch = None
                 while self._running:
-                    self._handle_inbox()
+                    self._handle_deliveries()
                     self._retire_requests()
                     batch = self.scheduler.schedule()
                     if batch.prefill or batch.generate:
@@ -447,16 +458,15 @@ class Engine:
                     for request in batch.prefill + batch.generate:
                         self._finish(request, cancelled=False, error=EngineError(str(e)))
 
-    def _handle_inbox(self) -> None:
-        while self._inbox:
-            kind, request = self._inbox.popleft()
-            if kind == "delivered" and request.phase is Phase.DRAINING:
+    def _handle_deliveries(self) -> None:
+        """Clauses whose audio the decoder delivered: save the tail and free the pages."""
+        while self._delivered:
+            request = self._delivered.popleft()
+            if request.phase is Phase.DRAINING:
                 if request.chain_frames and request.latents:
                     request.tail = torch.stack(request.latents[-request.chain_frames :])
                 self.scheduler.end_clause(request)
                 request.phase = Phase.IDLE
-            elif kind == "released":
-                self.scheduler.releasing.discard(request.id)
 
     def _retire_requests(self) -> None:
         for request in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -556,12 +566,14 @@ class Engine:
         for rid in list(pending):
             items = pending[rid]
             request = requests[rid]
-            while items and not isinstance(items[0], _Frame):
+            while items and (request.cancelled or not isinstance(items[0], _Frame)):
                 item = items.popleft()
+                if isinstance(item, _Frame):
+                    continue  # cancelled: its latents are not worth decoding
                 if isinstance(item, _ClauseEnd):
                     if not request.cancelled:
                         request.sink(item.event)
-                    self._post_inbox("delivered", request)
+                    self._clause_delivered(request)
                 elif isinstance(item, _Finish):
                     items.clear()
                     self._release_decoder(request)
@@ -580,11 +592,13 @@ class Engine:
         if request.decoder_slot is not None:
             self.runner.decoder_states.release(request.decoder_slot)
             request.decoder_slot = None
-        self._post_inbox("released", request)
-
-    def _post_inbox(self, kind: str, request: Request) -> None:
         with self._lock:
-            self._inbox.append((kind, request))
+            self.scheduler.releasing.discard(request.id)
+            self._lock.notify_all()
+
+    def _clause_delivered(self, request: Request) -> None:
+        with self._lock:
+            self._delivered.append(request)
             self._lock.notify_all()
 
     def _decode(self, frames: list[_Frame]) -> None:

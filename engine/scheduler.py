@@ -52,9 +52,14 @@ class Scheduler:
         return len(self.running) + len(self.releasing)
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
-        """Pages one clause may need, the copy of a shared partial voice page included."""
-        length = self.voices[voice].table.length + prompt_length + max_frames
-        return self.blocks.pages_for(length) + 1
+        """Pages of its own one clause may need: past the voice's full, shared pages."""
+        voice_length = self.voices[voice].table.length
+        total = self.blocks.pages_for(voice_length + prompt_length + max_frames)
+        return total - voice_length // self.blocks.page_size
+
+    def clause_capacity(self) -> int:
+        """Pages a clause can ever get: the pool less what registered voices hold."""
+        return self.blocks.num_pages - sum(len(v.table.pages) for v in self.voices.values())
 
     def start_clause(self, request: Request) -> bool:
         """Move the request's next clause onto reserved pages; False if the pool is short."""

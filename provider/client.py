@@ -1,0 +1,436 @@
+"""Async Python client for `intone serve`: many concurrent TTS streams over one WebSocket.
+
+Usage::
+
+    from intone.provider.client import IntoneClient, IntoneError
+
+    async with IntoneClient("ws://127.0.0.1:8000") as client:   # http:// works too
+        # A stream: push text as it arrives (an LLM's tokens), then end it.
+        stream = await client.stream(voice="default", sample_rate=16000, format="pcm_s16le")
+        await stream.push_text("Hello there. ")
+        await stream.push_text("How can I help?")
+        await stream.end_input()
+        async for pcm in stream:        # bytes, mono PCM in stream.format at stream.sample_rate
+            play(pcm)
+        print(stream.metrics)           # the server's per-request metrics (ttfa, rtf, ...)
+
+        # Barge-in: no audio is yielded after cancel(); it returns once the server confirms
+        # that the stream is over (engine state released).
+        await stream.cancel()
+
+        # One-shot: all the audio of a text, as PCM bytes.
+        pcm = await client.synthesize("One shot.", voice="default", sample_rate=24000)
+
+API summary:
+
+* `IntoneClient(url, *, open_timeout=10.0)`: `await connect()` / `await close()` or
+  `async with`. `hello` is the server's greeting (model sample rate, voices, limits).
+  `await stream(voice=None, sample_rate=None, format="pcm_s16le", options=None, text=None,
+  end=False)` starts a stream and returns once the server has accepted it (raises `IntoneError`
+  with `.code`, e.g. "unknown_voice", if not). `await synthesize(text, ...) -> bytes`.
+  Any number of streams may run at once on one client (up to the server's per-connection limit);
+  the client is meant to be used from one asyncio event loop.
+* `ClientStream`: `await push_text(text)`, `await flush()`, `await end_input()`,
+  `await cancel(wait=True)`; `async for pcm in stream` yields audio bytes and raises
+  `IntoneError` if the stream fails; `events()` yields audio bytes and event dicts
+  (`clause_done`, non-final `error`). After the end: `metrics` (dict), `clauses` (list of
+  `clause_done` events), `cancelled`, `errors`. `sample_rate`, `format`, `request_id`, `voice`
+  are set from the server's `started` event.
+* Errors: `IntoneError(code, message, stream)`; `IntoneConnectionError` when the connection
+  drops (every open stream raises it).
+
+The wire protocol is documented in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from intone.provider.server.protocol import (
+    DEFAULT_FORMAT,
+    WS_PATH,
+    control_message,
+    is_terminal,
+    start_message,
+    unpack_audio,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ClientStream", "IntoneClient", "IntoneConnectionError", "IntoneError", "ws_url"]
+
+
+class IntoneError(Exception):
+    """The server refused a request or a stream failed; `code` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str, stream: str | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.stream = stream
+
+
+class IntoneConnectionError(IntoneError, ConnectionError):
+    """The WebSocket closed while streams were open."""
+
+    def __init__(self, message: str, stream: str | None = None):
+        super().__init__("connection_closed", message, stream)
+
+
+def ws_url(url: str) -> str:
+    """The WebSocket URL of a server given as ws(s):// or http(s)://, with or without a path."""
+    parts = urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("ws", "wss"):
+        raise ValueError(f"expected a ws://, wss://, http:// or https:// URL, got {url!r}")
+    path = parts.path if parts.path not in ("", "/") else WS_PATH
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+_END = object()  # queue sentinel: the stream is over (see ClientStream._final)
+
+
+class ClientStream:
+    """One TTS stream on a client connection."""
+
+    def __init__(self, client: IntoneClient, stream_id: str, format: str):
+        self._client = client
+        self.id = stream_id
+        self.format = format
+        self.channel: int | None = None
+        self.request_id: str | None = None
+        self.voice: str | None = None
+        self.sample_rate: int | None = None
+        self.metrics: dict[str, Any] | None = None
+        self.clauses: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.cancelled = False
+        # Timing for barge-in measurements (time.perf_counter()).
+        self.cancel_sent_at: float | None = None
+        self.last_audio_at: float | None = None
+        self.frames_received = 0
+        self.frames_after_cancel = 0  # audio the server sent after our cancel (dropped)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._started: asyncio.Future = loop.create_future()
+        self._final: asyncio.Future = loop.create_future()
+        self._cancel_requested = False
+        self._input_ended = False
+
+    # ---- input
+
+    async def push_text(self, text: str) -> None:
+        await self._send("text", text)
+
+    async def flush(self) -> None:
+        """End the current clause here, whatever its length."""
+        await self._send("flush")
+
+    async def end_input(self) -> None:
+        """No more text: the stream ends when its audio has been sent."""
+        self._input_ended = True
+        await self._send("end")
+
+    async def cancel(self, wait: bool = True, timeout: float = 10.0) -> None:
+        """Stop now: iteration ends at once; with `wait`, return when the server confirms."""
+        if self._final.done():
+            return
+        if not self._cancel_requested:
+            self._cancel_requested = True
+            self.cancel_sent_at = time.perf_counter()
+            self._drop_queued_audio()
+            self._queue.put_nowait(_END)
+            with contextlib.suppress(IntoneConnectionError):
+                await self._send("cancel")
+        if wait:
+            with contextlib.suppress(IntoneError):
+                await asyncio.wait_for(asyncio.shield(self._final), timeout)
+
+    async def _send(self, kind: str, text: str | None = None) -> None:
+        if self._final.done() and kind != "cancel":
+            raise IntoneError("stream_closed", f"stream {self.id} is over", self.id)
+        await self._client._send(control_message(kind, self.id, text))
+
+    # ---- output
+
+    @property
+    def done(self) -> bool:
+        return self._final.done()
+
+    async def wait(self) -> dict[str, Any]:
+        """The stream's last event (`done` or `cancelled`); raises IntoneError on `error`."""
+        return await asyncio.shield(self._final)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._audio()
+
+    async def _audio(self) -> AsyncIterator[bytes]:
+        async for item in self.events():
+            if isinstance(item, bytes):
+                yield item
+
+    async def events(self) -> AsyncIterator[bytes | dict[str, Any]]:
+        """Audio (bytes) and events (dicts: `clause_done`, non-final `error`) in order."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                self._queue.put_nowait(_END)  # later iterations end too
+                if self._final.done() and not self._cancel_requested:
+                    self._final.result()  # raises the stream's error, if any
+                return
+            yield item
+
+    # ---- called by the client's reader
+
+    def _on_audio(self, payload: bytes) -> None:
+        self.last_audio_at = time.perf_counter()
+        self.frames_received += 1
+        if self._cancel_requested:
+            self.frames_after_cancel += 1
+        else:
+            self._queue.put_nowait(payload)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "started":
+            self.channel = event["channel"]
+            self.request_id = event.get("request_id")
+            self.voice = event.get("voice")
+            self.sample_rate = event.get("sample_rate")
+            self.format = event.get("format", self.format)
+            if not self._started.done():
+                self._started.set_result(event)
+        elif kind == "clause_done":
+            self.clauses.append(event)
+            if not self._cancel_requested:
+                self._queue.put_nowait(event)
+        elif is_terminal(event) or (
+            kind == "error" and event.get("cause") == "start" and not self._started.done()
+        ):
+            self._finish(event)
+        elif kind == "error":
+            self.errors.append(event)
+            logger.warning("stream %s: %s: %s", self.id, event.get("code"), event.get("message"))
+            if not self._cancel_requested:
+                self._queue.put_nowait(event)
+
+    def _finish(self, event: dict[str, Any]) -> None:
+        if self._final.done():
+            return
+        kind = event.get("type")
+        if kind == "done":
+            self.metrics = event.get("metrics")
+            self._final.set_result(event)
+        elif kind == "cancelled":
+            self.cancelled = True
+            self._final.set_result(event)
+        else:
+            error = IntoneError(event.get("code", "error"), event.get("message", ""), self.id)
+            self.errors.append(event)
+            self._final.set_exception(error)
+            self._final.exception()  # marks it retrieved: callers may never await it
+            if not self._started.done():
+                self._started.set_exception(error)
+                self._started.exception()
+        self._queue.put_nowait(_END)
+
+    def _fail(self, error: IntoneError) -> None:
+        for future in (self._started, self._final):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()
+        self._queue.put_nowait(_END)
+
+    def _drop_queued_audio(self) -> None:
+        kept = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if not isinstance(item, bytes):
+                kept.append(item)
+        for item in kept:
+            self._queue.put_nowait(item)
+
+
+class IntoneClient:
+    """A connection to an intone server carrying any number of concurrent streams."""
+
+    def __init__(self, url: str, *, open_timeout: float = 10.0):
+        self.url = ws_url(url)
+        self.open_timeout = open_timeout
+        self.hello: dict[str, Any] = {}
+        self.errors: list[dict[str, Any]] = []  # connection-level error events
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task | None = None
+        self._streams: dict[str, ClientStream] = {}
+        self._channels: dict[int, ClientStream] = {}
+        self._ids = itertools.count()
+        self._closed_error: IntoneConnectionError | None = None
+
+    async def __aenter__(self) -> IntoneClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        # Audio barely compresses and deflate costs latency: no permessage-deflate.
+        self._ws = await connect(
+            self.url, open_timeout=self.open_timeout, compression=None, max_size=2**24
+        )
+        try:
+            hello = json.loads(await asyncio.wait_for(self._ws.recv(), self.open_timeout))
+        except BaseException:
+            await self._ws.close()
+            raise
+        if hello.get("type") != "hello":
+            await self._ws.close()
+            raise IntoneError("bad_message", f"expected a hello event, got {hello!r}")
+        self.hello = hello
+        self._reader = asyncio.create_task(self._read(), name="intone-client-reader")
+
+    async def close(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._fail_all("the client was closed")
+
+    @property
+    def sample_rate(self) -> int | None:
+        """The model's native sample rate."""
+        return self.hello.get("sample_rate")
+
+    @property
+    def voices(self) -> list[str]:
+        return list(self.hello.get("voices", []))
+
+    async def stream(
+        self,
+        voice: str | None = None,
+        sample_rate: int | None = None,
+        format: str = DEFAULT_FORMAT,
+        options: dict[str, Any] | None = None,
+        text: str | None = None,
+        end: bool = False,
+        stream_id: str | None = None,
+    ) -> ClientStream:
+        """Start a stream; returns once the server accepted it, raises IntoneError if not."""
+        stream_id = stream_id or f"s{next(self._ids)}"
+        if stream_id in self._streams:
+            raise ValueError(f"stream id {stream_id!r} is in use on this client")
+        stream = ClientStream(self, stream_id, format)
+        self._streams[stream_id] = stream
+        try:
+            await self._send(
+                start_message(
+                    stream_id,
+                    voice=voice,
+                    sample_rate=sample_rate,
+                    format=format,
+                    options=options,
+                    text=text,
+                    end=end,
+                )
+            )
+            await asyncio.shield(stream._started)
+        except BaseException:
+            self._forget(stream)
+            raise
+        return stream
+
+    async def synthesize(
+        self,
+        text: str,
+        voice: str | None = None,
+        sample_rate: int | None = None,
+        format: str = DEFAULT_FORMAT,
+        options: dict[str, Any] | None = None,
+    ) -> bytes:
+        """All the audio of `text` as PCM bytes."""
+        stream = await self.stream(voice, sample_rate, format, options, text=text, end=True)
+        try:
+            return b"".join([pcm async for pcm in stream])
+        except BaseException:
+            await stream.cancel(wait=False)
+            raise
+
+    # ---- internals
+
+    async def _send(self, message: str) -> None:
+        if self._closed_error is not None or self._ws is None:
+            raise self._closed_error or IntoneConnectionError("not connected")
+        try:
+            await self._ws.send(message)
+        except ConnectionClosed as e:
+            raise IntoneConnectionError(f"connection closed: {e}") from e
+
+    async def _read(self) -> None:
+        assert self._ws is not None
+        reason = "the connection closed"
+        try:
+            async for message in self._ws:
+                if isinstance(message, bytes):
+                    self._on_binary(message)
+                else:
+                    self._on_text(message)
+        except ConnectionClosed as e:
+            reason = f"the connection closed: {e}"
+        except Exception:  # a bug here must not leave streams hanging
+            logger.exception("client reader failed")
+            reason = "the client's reader failed"
+        finally:
+            self._fail_all(reason)
+
+    def _on_binary(self, frame: bytes) -> None:
+        try:
+            channel, _sequence, payload = unpack_audio(frame)
+        except ValueError:
+            logger.warning("dropping a malformed binary frame of %d bytes", len(frame))
+            return
+        stream = self._channels.get(channel)
+        if stream is not None:
+            stream._on_audio(bytes(payload))
+
+    def _on_text(self, message: str) -> None:
+        try:
+            event = json.loads(message)
+        except json.JSONDecodeError:
+            logger.warning("dropping a malformed event: %.200s", message)
+            return
+        stream = self._streams.get(event.get("stream") or "")
+        if stream is None:
+            if event.get("type") == "error":
+                self.errors.append(event)
+                logger.warning("server error: %s: %s", event.get("code"), event.get("message"))
+            return
+        if event.get("type") == "started":
+            self._channels[event["channel"]] = stream
+        stream._on_event(event)
+        if stream.done:
+            self._forget(stream)
+
+    def _forget(self, stream: ClientStream) -> None:
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+        if stream.channel is not None:
+            self._channels.pop(stream.channel, None)
+
+    def _fail_all(self, reason: str) -> None:
+        if self._closed_error is None:
+            self._closed_error = IntoneConnectionError(reason)
+        for stream in list(self._streams.values()):
+            stream._fail(IntoneConnectionError(reason, stream.id))
+            self._forget(stream)

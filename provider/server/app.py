@@ -1,0 +1,151 @@
+"""The ASGI app: WebSocket streaming, OpenAI-compatible speech, demo page, health and metrics.
+
+`create_app()` returns a Starlette app that runs anywhere ASGI runs: `intone serve` (uvicorn),
+mounted in a FastAPI/Starlette app, or as a Ray Serve / Modal ASGI deployment. It needs no
+lifespan events: the engine is passed in, or built on the first request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from contextlib import asynccontextmanager
+from functools import partial
+from importlib import resources
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from intone.engine import Engine, EngineConfig
+from intone.provider.server import openai_api, protocol
+from intone.provider.server.runtime import EngineUnavailableError, Runtime
+from intone.provider.server.settings import ServerSettings
+from intone.provider.server.websocket import websocket_endpoint
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(
+    engine: Engine | None = None,
+    *,
+    model: str | Path | None = None,
+    voices_dir: str | Path | None = None,
+    engine_config: EngineConfig | None = None,
+    settings: ServerSettings | None = None,
+    fallback_preset: str | None = "full",
+) -> Starlette:
+    """The intone server as an ASGI app.
+
+    engine: a built engine, shared by every connection; the caller owns it (starts it if
+        needed, closes it). Without one, the app builds its own on first use (or at startup
+        when lifespan events run) from `model` (None: the released default, or a generated
+        checkpoint if that cannot be had and `fallback_preset` is set) and closes it at
+        lifespan shutdown or `await app.state.intone.close()`.
+    voices_dir: voice prompts to add to the engine's registry, named by file stem.
+    The runtime (engine, voices, drain) is `app.state.intone`.
+    """
+    if engine is not None and (model is not None or engine_config is not None):
+        raise ValueError("pass either an engine or model/engine_config, not both")
+
+    def build() -> Engine:
+        from intone.provider.server.model_source import load_serving_model
+
+        loaded = load_serving_model(model, fallback_preset=fallback_preset)
+        return Engine(loaded, engine_config)
+
+    runtime = Runtime(
+        engine,
+        engine_factory=None if engine is not None else build,
+        voices_dir=voices_dir,
+        settings=settings,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        # A failure is logged by the runtime; requests then get 503 and /healthz says why.
+        with contextlib.suppress(EngineUnavailableError):
+            await runtime.ready()
+        yield
+        await runtime.close()
+
+    async def speech(request: Request) -> Response:
+        return await openai_api.speech(request, runtime)
+
+    async def stream(websocket: WebSocket) -> None:
+        await websocket_endpoint(websocket, runtime)
+
+    routes = [
+        Route("/", partial(index, runtime), methods=["GET"]),
+        Route("/healthz", partial(healthz, runtime), methods=["GET"]),
+        Route("/stats", partial(stats, runtime), methods=["GET"]),
+        Route("/metrics", partial(metrics, runtime), methods=["GET"]),
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute(protocol.WS_PATH, stream),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.intone = runtime
+    return app
+
+
+def _page() -> str:
+    return (resources.files("intone.provider.server") / "static" / "index.html").read_text(
+        encoding="utf-8"
+    )
+
+
+async def index(runtime: Runtime, request: Request) -> Response:
+    return HTMLResponse(_page(), headers={"cache-control": "no-cache"})
+
+
+async def healthz(runtime: Runtime, request: Request) -> Response:
+    """Liveness and what is loaded: 200 when serving, 503 while draining or if unavailable."""
+    try:
+        engine = await runtime.ready()
+    except EngineUnavailableError as e:
+        return JSONResponse({"status": "unavailable", "error": str(e)}, status_code=503)
+    assert runtime.voices is not None
+    loaded = engine.loaded
+    engine_metrics = engine.metrics()
+    body = {
+        "status": "draining" if runtime.draining else "ok",
+        "weights": loaded.weights,
+        "source": loaded.source,
+        "sample_rate": engine.sample_rate,
+        "default_voice": engine.default_voice,
+        "voices": engine.voices,
+        "aliases": runtime.voices.alias_table(),
+        "active_requests": engine_metrics["active_requests"],
+        "queued_requests": engine_metrics["queued_requests"],
+        "kv_pages_in_use": engine_metrics["kv_pages_in_use"],
+        "connections": len(runtime.connections),
+        "streams": len(runtime.streams),
+    }
+    return JSONResponse(body, status_code=503 if runtime.draining else 200)
+
+
+async def stats(runtime: Runtime, request: Request) -> Response:
+    """Everything the engine and the server count, as JSON (the demo page polls this)."""
+    try:
+        engine = await runtime.ready()
+    except EngineUnavailableError as e:
+        return JSONResponse({"error": str(e)}, status_code=503)
+    return JSONResponse(
+        {
+            "weights": engine.loaded.weights,
+            "engine": engine.metrics(),
+            "server": runtime.metrics.snapshot(),
+        },
+        headers={"cache-control": "no-cache"},
+    )
+
+
+async def metrics(runtime: Runtime, request: Request) -> Response:
+    """Prometheus text: the engine's metrics, then the server's."""
+    engine = runtime.engine
+    body = (engine.prometheus() if engine is not None else b"") + runtime.metrics.prometheus()
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

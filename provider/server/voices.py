@@ -1,0 +1,119 @@
+"""The server's voices: a directory of prompts, OpenAI voice-name aliases, lazy checkpoint voices.
+
+Every voice ends up in the engine's registry (`engine.add_voice`), which prefills its prompt once
+and shares the resulting KV pages between all requests using it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from intone.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+VOICE_SUFFIXES = (".wav", ".flac", ".mp3", ".safetensors")
+# OpenAI's built-in voice names. Pipecat's OpenAITTSService refuses any other name, so these
+# must resolve to something: by default each maps to one of the registry's voices.
+OPENAI_VOICES = (
+    "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable",
+    "marin", "nova", "onyx", "sage", "shimmer", "verse",
+)  # fmt: skip
+
+
+class UnknownVoiceError(ValueError):
+    pass
+
+
+def voice_files(directory: str | Path) -> dict[str, Path]:
+    """name -> file for every voice prompt in `directory`, named by stem."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"--voices {directory} is not a directory")
+    files: dict[str, Path] = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.suffix.lower() in VOICE_SUFFIXES:
+            if path.stem in files:
+                raise ValueError(f"two voice files named {path.stem!r} in {directory}")
+            files[path.stem] = path
+    return files
+
+
+def add_voice_dir(engine: Engine, directory: str | Path) -> list[str]:
+    """Register every voice in `directory`; blocking (audio prompts are encoded and prefilled)."""
+    names = []
+    for name, path in voice_files(directory).items():
+        try:
+            engine.add_voice(name, path)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"voice {name!r} from {path}: {e}") from e
+        logger.info("voice %r from %s", name, path)
+        names.append(name)
+    if not names:
+        logger.warning("no voice files (%s) in %s", ", ".join(VOICE_SUFFIXES), directory)
+    return names
+
+
+class VoiceResolver:
+    """Turns a requested voice (name, alias or OpenAI name) into a registry voice."""
+
+    def __init__(self, engine: Engine, aliases: dict[str, str] | None = None):
+        self.engine = engine
+        self.aliases = dict(aliases or {})
+        self._loading: dict[str, asyncio.Task] = {}
+
+    def alias_table(self) -> dict[str, str]:
+        """Every alias and the registry voice it stands for right now."""
+        voices = self.ordered_voices()
+        table = {}
+        for index, name in enumerate(OPENAI_VOICES):
+            if name not in voices:
+                table[name] = voices[index % len(voices)] if voices else name
+        for alias, target in self.aliases.items():
+            table[alias] = target
+        return table
+
+    def ordered_voices(self) -> list[str]:
+        """Registry voices, the default first, so that `alloy` (the first name) is the default."""
+        voices = self.engine.voices
+        default = self.engine.default_voice
+        return ([default] if default in voices else []) + [v for v in voices if v != default]
+
+    def known(self) -> list[str]:
+        """Names a client may ask for: registry voices, checkpoint voices and aliases."""
+        names = set(self.engine.voices) | set(self.engine.loaded.voices) | set(self.alias_table())
+        return sorted(names)
+
+    async def resolve(self, requested: str | None) -> str:
+        """The registry voice for `requested` (None: the default); raises UnknownVoiceError."""
+        if requested is None or requested == "":
+            if self.engine.default_voice is None:
+                raise UnknownVoiceError("this model has no default voice: name one")
+            return self.engine.default_voice
+        if requested in self.engine.voices:
+            return requested
+        target = self.alias_table().get(requested)
+        if target is not None and target in self.engine.voices:
+            return target
+        name = target or requested
+        if name in self.engine.loaded.voices:
+            await self._load_checkpoint_voice(name)
+            return name
+        raise UnknownVoiceError(f"unknown voice {requested!r}; known voices: {self.known()}")
+
+    async def _load_checkpoint_voice(self, name: str) -> None:
+        """A voice the checkpoint names but the engine has not loaded yet (e.g. the released
+        model's predefined voices): load it once, on first use, off the event loop."""
+        task = self._loading.get(name)
+        if task is None:
+            source = self.engine.loaded.voices[name]
+            logger.info("loading checkpoint voice %r from %s on first use", name, source)
+            task = asyncio.ensure_future(asyncio.to_thread(self.engine.add_voice, name, source))
+            self._loading[name] = task
+        try:
+            await asyncio.shield(task)
+        except Exception as e:
+            self._loading.pop(name, None)
+            raise UnknownVoiceError(f"voice {name!r} could not be loaded: {e}") from e

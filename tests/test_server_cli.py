@@ -1,0 +1,60 @@
+"""`intone serve` arguments -> server options."""
+
+from __future__ import annotations
+
+import pytest
+
+from intone.engine.cli import build_parser
+from intone.provider.server.serve import options_from_args
+
+
+def test_serve_defaults():
+    options = options_from_args(build_parser().parse_args(["serve"]))
+    assert options.model is None and options.fallback_preset == "full"
+    assert (options.host, options.port) == ("127.0.0.1", 8000)
+    assert options.settings.drain_timeout == 30.0
+    assert not options.log_json
+
+
+def test_serve_options():
+    args = build_parser().parse_args(
+        [
+            "-v", "serve", "--model", "ckpt", "--voices", "voices", "--host", "0.0.0.0",
+            "--port", "9000", "--drain-timeout", "5", "--log-json", "--fallback-preset", "none",
+            "--voice-alias", "alloy=alba", "--voice-alias", "echo=marius",
+            "--max-streams-per-connection", "8", "--max-message-bytes", "1000",
+            "--max-active", "4", "--kv-memory-mb", "64",
+        ]
+    )  # fmt: skip
+    options = options_from_args(args)
+    assert options.model == "ckpt" and str(options.voices_dir) == "voices"
+    assert options.fallback_preset is None and options.log_json
+    assert options.settings.voice_aliases == {"alloy": "alba", "echo": "marius"}
+    assert options.settings.max_streams_per_connection == 8
+    assert options.settings.max_message_bytes == 1000
+    assert options.settings.drain_timeout == 5.0
+    assert options.engine_config.max_active == 4 and options.engine_config.kv_memory_mb == 64
+
+
+@pytest.mark.parametrize("alias", ["alloy", "=alba", "alloy="])
+def test_bad_voice_alias(alias):
+    with pytest.raises(ValueError, match="NAME=VOICE"):
+        options_from_args(build_parser().parse_args(["serve", "--voice-alias", alias]))
+
+
+def test_serve_reports_a_bad_voices_dir(tiny_checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "intone.engine.cli", "serve", "--model", str(tiny_checkpoint),
+            "--voices", str(tmp_path / "missing"), "--port", "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "is not a directory" in result.stderr
+    assert "Traceback" not in result.stderr
