@@ -1,22 +1,19 @@
-"""The batched streaming engine: an AR thread and a decoder thread joined by a queue.
+"""The batched streaming engine: an AR thread and a decoder worker joined by a queue.
 
 The AR thread admits requests, prefills their clauses in packed passes and advances every
-generating request one latent per step. Each latent goes on the decoder queue. The decoder thread
-batches whatever latents are ready, one row per request with that request's own history, and
-hands the audio to the request's stream on the stream's own event loop. Callers use `Stream`
-from any asyncio loop, several loops at once included.
+generating request one latent per step; each latent goes to the decoder worker
+(`decoder_worker.py`), which batches whatever is ready and hands the audio to the request's
+`Stream` on the caller's own event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import itertools
 import logging
-import queue
+import os
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,24 +21,29 @@ import numpy as np
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.generate import GenerationOptions, fade_in, make_generator, plan_clause
+from intone.engine.decoder_worker import ClauseEndItem, DecoderWorker, FinishItem, LatentItem
+from intone.engine.errors import EngineError, EngineFullError
+from intone.engine.generate import ClausePlan, GenerationOptions, make_generator, plan_clause
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.scheduler import Scheduler, VoicePrefix
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
+from intone.engine.stream import AudioChunk, ClauseDone, Stream
 from intone.engine.text import ClauseSplitter
 from intone.engine.voices import Voice, load_voice
 
+__all__ = [
+    "AudioChunk",
+    "ClauseDone",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineFullError",
+    "Stream",
+]
+
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """Generation failed inside the engine."""
-
-
-class EngineFullError(RuntimeError):
-    """The admission queue is full: retry later or on another worker."""
 
 
 @dataclass
@@ -50,7 +52,9 @@ class EngineConfig:
     # "bfloat16" runs the FlowLM transformer and its KV cache in bf16: about twice the speed on
     # CPUs with AVX-512 BF16, at a tolerance of its own against float32 (docs/benchmarks.md).
     dtype: str = "float32"
-    # Intra-op threads for torch (process-wide); None leaves torch's default.
+    # Intra-op threads for torch (process-wide). None: half the cores, since the AR and decoder
+    # stages run at once on two threads (measured on 2 cores: 9.4 audio-s/s at 8 streams with
+    # one thread each against 6.6 with two; docs/benchmarks.md). 0 leaves torch's setting.
     torch_threads: int | None = None
     # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
     # None runs every batch at its own size, which is cheaper on a CPU.
@@ -64,6 +68,7 @@ class EngineConfig:
     max_text_chars: int = 20_000  # per request
     max_frames: int | None = None  # per clause, on top of the model's own estimate
     flow_steps: int = 1
+    max_decode_frames: int = 4  # latents per request per decode call, when several wait
     default_chain_frames: int = 4
     clause_min_tokens: int = 6
     clause_first_min_tokens: int = 4
@@ -72,143 +77,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, not {self.dtype!r}")
-        for name in ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps"):
+        positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
+        for name in positive + ("max_decode_frames",):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
-
-
-@dataclass
-class AudioChunk:
-    """One frame of audio, float32 at the model's rate."""
-
-    samples: np.ndarray
-    clause: int
-
-
-@dataclass
-class ClauseDone:
-    clause: int
-    text: str
-    frames: int
-
-
-@dataclass
-class _Frame:
-    request: Request
-    latent: torch.Tensor
-    clause: int
-
-
-@dataclass
-class _ClauseEnd:
-    request: Request
-    event: ClauseDone
-
-
-@dataclass
-class _Finish:
-    request: Request
-    cancelled: bool
-    error: Exception | None = None
-
-
-class Stream:
-    """One request: text in (push, flush, end), audio out (async iteration)."""
-
-    def __init__(self, engine: Engine, request: Request, splitter: ClauseSplitter):
-        self._engine = engine
-        self.request = request
-        self._splitter = splitter
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._closed = False
-        self._ended = False
-        self._chars = 0
-        self._clauses = 0
-        self._has_text = False
-
-    @property
-    def id(self) -> str:
-        return self.request.id
-
-    @property
-    def metrics(self) -> RequestMetrics:
-        return self.request.metrics
-
-    def push_text(self, text: str) -> None:
-        self._check_open()
-        if self._chars + len(text) > self._engine.config.max_text_chars:
-            raise ValueError(
-                f"text over the limit of {self._engine.config.max_text_chars} characters"
-            )
-        self._chars += len(text)
-        self._has_text |= bool(text.strip())
-        self._submit(self._splitter.push(text))
-
-    def flush(self) -> None:
-        """End the current clause here, whatever its length."""
-        self._check_open()
-        self._submit(self._splitter.flush())
-
-    def end_input(self) -> None:
-        self._check_open()
-        if not self._has_text:
-            raise ValueError("no text was pushed: nothing to synthesise")
-        self._submit(self._splitter.end(), end=True)
-
-    def cancel(self) -> None:
-        """Stop now: no audio is delivered after this returns; engine state is released."""
-        self._closed = True
-        self._engine._cancel(self.request)
-        # Audio already handed over but not yet consumed is dropped too.
-        while not self._events.empty():
-            self._events.get_nowait()
-        self._events.put_nowait(None)
-
-    def _check_open(self) -> None:
-        if self._closed or self.request.input_ended:
-            raise RuntimeError(f"stream {self.id} no longer takes input")
-
-    def _submit(self, texts: list[str], end: bool = False) -> None:
-        clauses = []
-        for text in texts:
-            plan = self._engine._plan(self.request, text)
-            clauses.append(Clause(self._clauses, text, plan))
-            self._clauses += 1
-        self._engine._submit(self.request, clauses, end)
-
-    def _post(self, event: object) -> None:
-        """Called from engine threads."""
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
-            self._engine._cancel(self.request)
-
-    def _deliver(self, event: object) -> None:
-        if not self._closed:
-            if event is None or isinstance(event, Exception):
-                self._closed = True
-            self._events.put_nowait(event)
-
-    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
-        return self
-
-    async def __anext__(self) -> AudioChunk | ClauseDone:
-        if self._ended:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if event is None:
-            self._ended = True
-            raise StopAsyncIteration
-        if isinstance(event, Exception):
-            self._ended = True
-            raise event
-        return event
-
-    async def audio(self) -> AsyncIterator[np.ndarray]:
-        async for event in self:
-            if isinstance(event, AudioChunk):
-                yield event.samples
 
 
 class Engine:
@@ -217,8 +89,11 @@ class Engine:
         config.validate()
         self.loaded = loaded
         self.device = torch.device(config.device)
-        if config.torch_threads is not None:
-            torch.set_num_threads(config.torch_threads)
+        threads = config.torch_threads
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 2) // 2)
+        if threads:
+            torch.set_num_threads(threads)
         self.model = loaded.model
         if config.dtype != "float32":
             # The loaded model may be shared with float32 users: cast a copy.
@@ -244,10 +119,9 @@ class Engine:
         )
         self._lock = threading.Condition()
         self._delivered: deque[Request] = deque()
-        self._decoder_queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._running = False
-        self._threads: list[threading.Thread] = []
+        self._ar_thread: threading.Thread | None = None
         self._metrics = EngineMetrics(
             {
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
@@ -256,8 +130,17 @@ class Engine:
                 "active_requests": lambda: self.scheduler.active,
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
-                "decoder_queue_depth": lambda: self._decoder_queue.qsize(),
+                "decoder_queue_depth": lambda: self.decoder.queue.qsize(),
             }
+        )
+        self.decoder = DecoderWorker(
+            self.runner,
+            self._metrics,
+            self.sample_rate,
+            max_batch=config.max_active,
+            max_frames_per_call=config.max_decode_frames,
+            on_clause_delivered=self._clause_delivered,
+            on_released=self._decoder_released,
         )
         for name, source in loaded.voices.items():
             if name == loaded.default_voice:
@@ -280,12 +163,9 @@ class Engine:
         if self._running:
             return self
         self._running = True
-        self._threads = [
-            threading.Thread(target=self._ar_loop, name="intone-ar", daemon=True),
-            threading.Thread(target=self._decoder_loop, name="intone-decoder", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._ar_thread = threading.Thread(target=self._ar_loop, name="intone-ar", daemon=True)
+        self._ar_thread.start()
+        self.decoder.start()
         return self
 
     def close(self) -> None:
@@ -296,10 +176,10 @@ class Engine:
                 request.cancelled = True
             self._running = False
             self._lock.notify_all()
-        self._decoder_queue.put(None)
-        for thread in self._threads:
-            thread.join(timeout=10)
-        self._threads = []
+        if self._ar_thread is not None:
+            self._ar_thread.join(timeout=10)
+            self._ar_thread = None
+        self.decoder.stop()
         for request in open_requests:
             request.sink(EngineError("the engine was closed"))
 
@@ -389,7 +269,7 @@ class Engine:
             raise
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
-    def _plan(self, request: Request, text: str):
+    def _plan(self, request: Request, text: str) -> ClausePlan:
         options = replace(request.options)
         if self.config.max_frames is not None:
             options.max_frames = min(
@@ -484,7 +364,7 @@ class Engine:
         self.scheduler.finish(request)
         if admitted:
             self.scheduler.releasing.add(request.id)
-            self._decoder_queue.put(_Finish(request, cancelled, error))
+            self.decoder.put(FinishItem(request, cancelled, error))
         elif not cancelled:
             request.sink(error)
         if error is None:
@@ -511,110 +391,21 @@ class Engine:
             if keep:
                 request.previous_latent = latent
                 request.latents.append(latent)
-                self._decoder_queue.put(_Frame(request, latent, request.clause.index))
+                self.decoder.put(LatentItem(request, latent, request.clause.index))
             if request.progress.ended:
                 request.phase = Phase.DRAINING
                 clause = request.clause
                 done = ClauseDone(clause.index, clause.text, len(request.latents))
-                self._decoder_queue.put(_ClauseEnd(request, done))
+                self.decoder.put(ClauseEndItem(request, done))
 
-    # ---- decoder thread
-
-    def _decoder_loop(self) -> None:
-        pending: dict[str, deque] = {}
-        requests: dict[str, Request] = {}
-        stop = False
-        while not stop:
-            item = self._decoder_queue.get()
-            items = [item]
-            while True:
-                try:
-                    items.append(self._decoder_queue.get_nowait())
-                except queue.Empty:
-                    break
-            for item in items:
-                if item is None:
-                    stop = True
-                    continue
-                pending.setdefault(item.request.id, deque()).append(item)
-                requests[item.request.id] = item.request
-            self._drain(pending, requests)
-        for request_id in list(pending):
-            self._release_decoder(requests[request_id])
-
-    def _drain(self, pending: dict[str, deque], requests: dict[str, Request]) -> None:
-        while pending:
-            self._run_control_items(pending, requests)
-            ready = [
-                rid for rid, items in pending.items() if items and isinstance(items[0], _Frame)
-            ]
-            if not ready:
-                return
-            ready = ready[: self.config.max_active]
-            frames = [pending[rid].popleft() for rid in ready]
-            try:
-                self._decode(frames)
-            except Exception as e:
-                logger.exception("decode failed")
-                for frame in frames:
-                    frame.request.cancelled = True
-                    frame.request.sink(EngineError(str(e)))
-                with self._lock:
-                    self._lock.notify_all()
-
-    def _run_control_items(self, pending: dict[str, deque], requests: dict[str, Request]) -> None:
-        for rid in list(pending):
-            items = pending[rid]
-            request = requests[rid]
-            while items and (request.cancelled or not isinstance(items[0], _Frame)):
-                item = items.popleft()
-                if isinstance(item, _Frame):
-                    continue  # cancelled: its latents are not worth decoding
-                if isinstance(item, _ClauseEnd):
-                    if not request.cancelled:
-                        request.sink(item.event)
-                    self._clause_delivered(request)
-                elif isinstance(item, _Finish):
-                    items.clear()
-                    self._release_decoder(request)
-                    if item.error is not None:
-                        request.sink(item.error)
-                    elif not item.cancelled:
-                        self._metrics.finished(request.metrics, cancelled=False)
-                        request.sink(None)
-                    else:
-                        self._metrics.finished(request.metrics, cancelled=True)
-            if not items:
-                del pending[rid]
-                requests.pop(rid, None)
-
-    def _release_decoder(self, request: Request) -> None:
-        if request.decoder_slot is not None:
-            self.runner.decoder_states.release(request.decoder_slot)
-            request.decoder_slot = None
-        with self._lock:
-            self.scheduler.releasing.discard(request.id)
-            self._lock.notify_all()
+    # ---- callbacks from the decoder worker
 
     def _clause_delivered(self, request: Request) -> None:
         with self._lock:
             self._delivered.append(request)
             self._lock.notify_all()
 
-    def _decode(self, frames: list[_Frame]) -> None:
-        for frame in frames:
-            if frame.request.decoder_slot is None:
-                frame.request.decoder_slot = self.runner.decoder_states.acquire()
-        slots = [frame.request.decoder_slot for frame in frames]
-        audio = self.runner.decode(slots, torch.stack([frame.latent for frame in frames]))
-        self._metrics.batch("decode", len(frames))
-        for frame, samples in zip(frames, audio.cpu(), strict=True):
-            request = frame.request
-            if request.frames_delivered == 0:
-                samples = fade_in(samples, self.sample_rate)
-                request.metrics.first_audio_at = now()
-            request.frames_delivered += 1
-            request.metrics.audio_samples += samples.numel()
-            self._metrics.audio(samples.numel() / self.sample_rate)
-            if not request.cancelled:
-                request.sink(AudioChunk(samples.numpy(), frame.clause))
+    def _decoder_released(self, request: Request) -> None:
+        with self._lock:
+            self.scheduler.releasing.discard(request.id)
+            self._lock.notify_all()

@@ -132,9 +132,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
-        """Waveform [B, samples_per_frame] for one normalised latent per decoder slot."""
+        """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim]."""
         index = torch.tensor(slots, device=self.device)
         state = self.decoder_states.gather(index)
-        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents)[:, None], state)
+        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents), state)
         self.decoder_states.scatter(index, state)
         return audio[:, 0]

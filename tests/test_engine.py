@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from intone.engine.engine import (
+from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,

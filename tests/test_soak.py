@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from intone.engine.engine import AudioChunk, Engine, EngineConfig, Stream
+from intone.engine import AudioChunk, Engine, EngineConfig, Stream
 from intone.engine.generate import GenerationOptions
 from intone.engine.loading import load_model
 from intone.engine.sequence import Request

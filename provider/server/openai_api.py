@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from intone.engine import AudioChunk, EngineFullError
-from intone.engine.engine import Stream as EngineStream
+from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
 from intone.provider.server.logs import bind

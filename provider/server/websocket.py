@@ -23,7 +23,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketState
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineFullError, GenerationOptions
-from intone.engine.engine import Stream as EngineStream
+from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.logs import bind
 from intone.provider.server.pcm import PcmEncoder

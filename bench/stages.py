@@ -1,0 +1,175 @@
+"""Per-call cost of the engine's two stages by batch size: where the time goes.
+
+Times the calls the engine makes, on the engine's own ModelRunner:
+- AR step: `ModelRunner._generate_step` (backbone one position per row + flow head + EOS) for
+  B rows with a context of --context positions each;
+- decode: `ModelRunner.decode` (gather the rows' Mimi histories, decode one latent per row,
+  scatter them back) for B rows.
+and, for contrast, the same two stages run concurrently in two threads (the engine's AR and
+decoder threads), which is what the engine does on the CPU.
+
+    python bench/stages.py --model checkpoints/full [--batches 1,2,4,8,16] [--threads 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import foreign_cpu_seconds, machine_info, round_floats  # noqa: E402
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up (new shapes)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def build(model_dir: str, device: str, max_rows: int, context: int, engine_options: dict):
+    from intone.engine import Engine, EngineConfig
+    from intone.engine.loading import load_model
+    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
+
+    engine = Engine(
+        load_model(model_dir, device=device), EngineConfig(device=device, **engine_options)
+    )
+    runner = engine.runner
+    flow_lm = runner.flow_lm
+
+    def ar_call(rows: int):
+        per_row = context + 1
+        steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
+        positions, attention = plan_step(runner.pool, steps)
+        previous = torch.randn(rows, flow_lm.latent_dim, device=device)
+        noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
+
+        def call():
+            with torch.no_grad():
+                runner._generate_step(previous, positions, attention, noise)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+
+        return call
+
+    slots = [runner.decoder_states.acquire() for _ in range(max_rows)]
+
+    def decode_call(rows: int):
+        latents = torch.randn(rows, 1, flow_lm.latent_dim, device=device)
+
+        def call():
+            runner.decode(slots[:rows], latents)
+            if device != "cpu":
+                torch.cuda.synchronize()
+
+        return call
+
+    return engine, ar_call, decode_call
+
+
+def profile(ar, decode, repeats: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, fn in (("AR step", ar), ("decode", decode)):
+        fn()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                fn()
+        print(f"== {name}, {repeats} calls")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts to try")
+    parser.add_argument("--context", type=int, default=150, help="positions per row (AR step)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--fast", action="store_true", help="the batched-fast engine options")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=int, default=None, help="print torch.profiler op tables at this batch"
+    )
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    options = {}
+    if args.fast:
+        from common import fast_engine_options
+
+        options = fast_engine_options(args.device)
+    max_rows = max(batches + [args.profile or 0])
+    engine, ar_call, decode_call = build(args.model, args.device, max_rows, args.context, options)
+    if args.profile:
+        profile(ar_call(args.profile), decode_call(args.profile), args.repeats)
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for b in batches:
+            ar, dec = ar_call(b), decode_call(b)
+            foreign0, t0 = foreign_cpu_seconds(), time.perf_counter()
+            ar_s, dec_s = _time(ar, args.repeats), _time(dec, args.repeats)
+
+            # Both stages at once in two threads, as the engine runs them.
+            def loop(fn, n, out):
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                out.append((time.perf_counter() - t) / n)
+
+            ar_out, dec_out = [], []
+            pair = [
+                threading.Thread(target=loop, args=(ar, args.repeats, ar_out)),
+                threading.Thread(target=loop, args=(dec, args.repeats, dec_out)),
+            ]
+            for t in pair:
+                t.start()
+            for t in pair:
+                t.join()
+            foreign1, wall = foreign_cpu_seconds(), time.perf_counter() - t0
+            row = {
+                "foreign_cpu_cores": None
+                if foreign0 is None or foreign1 is None
+                else max(0.0, foreign1 - foreign0) / wall,
+                "threads": threads,
+                "batch": b,
+                "ar_ms": ar_s * 1000,
+                "decode_ms": dec_s * 1000,
+                "ar_ms_concurrent": ar_out[0] * 1000,
+                "decode_ms_concurrent": dec_out[0] * 1000,
+                # Frames per second if the stages overlapped perfectly / ran back to back.
+                "frames_per_s_serial": b / (ar_s + dec_s),
+                "frames_per_s_concurrent": b / max(ar_out[0], dec_out[0]),
+            }
+            rows.append(row)
+            print(
+                f"threads {threads} batch {b:2d}: AR {row['ar_ms']:6.1f} ms, decode "
+                f"{row['decode_ms']:6.1f} ms | both at once: AR {row['ar_ms_concurrent']:6.1f}, "
+                f"decode {row['decode_ms_concurrent']:6.1f} | frames/s serial "
+                f"{row['frames_per_s_serial']:.1f}, concurrent {row['frames_per_s_concurrent']:.1f}"
+                f" (real time needs 12.5 per stream); other processes "
+                f"{row['foreign_cpu_cores'] or 0:.2f} cores",
+                flush=True,
+            )
+    engine.close()
+    if args.out:
+        result = {"machine": machine_info(args.device), "options": options, "rows": rows}
+        args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

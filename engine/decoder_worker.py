@@ -1,0 +1,192 @@
+"""The decoder component: turns latents into audio, batching whatever is ready.
+
+It runs on its own thread, at its own pace. The AR thread puts three kinds of items on its queue,
+in each request's order: a latent, the end of a clause, and the end of the request. Each decode
+call takes the ready latents of up to `max_batch` requests, gathers each request's own decoder
+history, decodes them as one batch and scatters the histories back. When a request has several
+latents waiting, as after a burst, a call decodes up to `max_frames_per_call` of them per row.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from intone.engine.errors import EngineError
+from intone.engine.generate import fade_in
+from intone.engine.metrics import EngineMetrics
+from intone.engine.model_runner import ModelRunner
+from intone.engine.sequence import Request, now
+from intone.engine.stream import AudioChunk, ClauseDone
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LatentItem:
+    request: Request
+    latent: torch.Tensor
+    clause: int
+
+
+@dataclass
+class ClauseEndItem:
+    request: Request
+    event: ClauseDone
+
+
+@dataclass
+class FinishItem:
+    request: Request
+    cancelled: bool
+    error: Exception | None = None
+
+
+Item = LatentItem | ClauseEndItem | FinishItem
+
+
+class DecoderWorker:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        metrics: EngineMetrics,
+        sample_rate: int,
+        max_batch: int,
+        max_frames_per_call: int,
+        on_clause_delivered: Callable[[Request], None],
+        on_released: Callable[[Request], None],
+    ):
+        self.runner = runner
+        self.metrics = metrics
+        self.sample_rate = sample_rate
+        self.max_batch = max_batch
+        self.max_frames_per_call = max_frames_per_call
+        self.on_clause_delivered = on_clause_delivered
+        self.on_released = on_released
+        self.queue: queue.Queue[Item | None] = queue.Queue()
+        # Per request, its items not handled yet, in order; and the requests holding a row.
+        self._pending: dict[str, deque[Item]] = {}
+        self._requests: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def put(self, item: Item) -> None:
+        self.queue.put(item)
+
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            items = [self.queue.get()]
+            while True:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    stop = True
+                else:
+                    self._pending.setdefault(item.request.id, deque()).append(item)
+                    self._requests[item.request.id] = item.request
+            self._drain()
+        for request in self._requests.values():
+            self._release(request)
+        self._pending.clear()
+        self._requests.clear()
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._run_control_items()
+            ready = [
+                items
+                for items in self._pending.values()
+                if items and isinstance(items[0], LatentItem)
+            ][: self.max_batch]
+            if not ready:
+                return
+            # Every row of a call advances by the same number of frames.
+            frames = min(self._leading_latents(items) for items in ready)
+            rows = [[items.popleft() for _ in range(frames)] for items in ready]
+            try:
+                self._decode(rows)
+            except Exception as e:
+                logger.exception("decode failed")
+                for row in rows:
+                    row[0].request.cancelled = True
+                    row[0].request.sink(EngineError(str(e)))
+
+    def _leading_latents(self, items: deque[Item]) -> int:
+        count = 0
+        for item in items:
+            if not isinstance(item, LatentItem) or count == self.max_frames_per_call:
+                break
+            count += 1
+        return count
+
+    def _run_control_items(self) -> None:
+        for request_id in list(self._pending):
+            items = self._pending[request_id]
+            request = self._requests[request_id]
+            while items and (request.cancelled or not isinstance(items[0], LatentItem)):
+                item = items.popleft()
+                if isinstance(item, LatentItem):
+                    continue  # cancelled: its latents are not worth decoding
+                if isinstance(item, ClauseEndItem):
+                    if not request.cancelled:
+                        request.sink(item.event)
+                    self.on_clause_delivered(request)
+                else:
+                    items.clear()
+                    self._release(request)
+                    del self._requests[request_id]
+                    if item.error is not None:
+                        request.sink(item.error)
+                    else:
+                        self.metrics.finished(request.metrics, cancelled=item.cancelled)
+                        if not item.cancelled:
+                            request.sink(None)
+            if not items:
+                del self._pending[request_id]
+
+    def _release(self, request: Request) -> None:
+        if request.decoder_slot is not None:
+            self.runner.decoder_states.release(request.decoder_slot)
+            request.decoder_slot = None
+        self.on_released(request)
+
+    def _decode(self, rows: list[list[LatentItem]]) -> None:
+        for row in rows:
+            if row[0].request.decoder_slot is None:
+                row[0].request.decoder_slot = self.runner.decoder_states.acquire()
+        slots = [row[0].request.decoder_slot for row in rows]
+        latents = torch.stack([torch.stack([item.latent for item in row]) for row in rows])
+        audio = self.runner.decode(slots, latents).cpu()
+        self.metrics.batch("decode", len(rows))
+        for row, samples in zip(rows, audio, strict=True):
+            request = row[0].request
+            frame_size = samples.shape[-1] // len(row)
+            for index, item in enumerate(row):
+                frame = samples[index * frame_size : (index + 1) * frame_size]
+                if request.frames_delivered == 0:
+                    frame = fade_in(frame, self.sample_rate)
+                    request.metrics.first_audio_at = now()
+                request.frames_delivered += 1
+                request.metrics.audio_samples += frame.numel()
+                self.metrics.audio(frame.numel() / self.sample_rate)
+                if not request.cancelled:
+                    request.sink(AudioChunk(frame.numpy(), item.clause))

@@ -1,0 +1,134 @@
+"""A request as its caller holds it: text in, audio events out, on the caller's event loop.
+
+Engine threads hand events over with `loop.call_soon_threadsafe`, so a stream works from any
+asyncio loop, several loops at once included (LiveKit's thread executor gives every job its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from intone.engine.sequence import Clause, Request, RequestMetrics
+from intone.engine.text import ClauseSplitter
+
+if TYPE_CHECKING:
+    from intone.engine.engine import Engine
+
+
+@dataclass
+class AudioChunk:
+    """One frame of audio, float32 at the model's rate."""
+
+    samples: np.ndarray
+    clause: int
+
+
+@dataclass
+class ClauseDone:
+    clause: int
+    text: str
+    frames: int
+
+
+class Stream:
+    """One request: text in (push, flush, end), audio out (async iteration)."""
+
+    def __init__(self, engine: Engine, request: Request, splitter: ClauseSplitter):
+        self._engine = engine
+        self.request = request
+        self._splitter = splitter
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        self._ended = False
+        self._chars = 0
+        self._clauses = 0
+        self._has_text = False
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        return self.request.metrics
+
+    def push_text(self, text: str) -> None:
+        self._check_open()
+        if self._chars + len(text) > self._engine.config.max_text_chars:
+            raise ValueError(
+                f"text over the limit of {self._engine.config.max_text_chars} characters"
+            )
+        self._chars += len(text)
+        self._has_text |= bool(text.strip())
+        self._submit(self._splitter.push(text))
+
+    def flush(self) -> None:
+        """End the current clause here, whatever its length."""
+        self._check_open()
+        self._submit(self._splitter.flush())
+
+    def end_input(self) -> None:
+        self._check_open()
+        if not self._has_text:
+            raise ValueError("no text was pushed: nothing to synthesise")
+        self._submit(self._splitter.end(), end=True)
+
+    def cancel(self) -> None:
+        """Stop now: no audio is delivered after this returns; engine state is released."""
+        self._closed = True
+        self._engine._cancel(self.request)
+        # Audio already handed over but not yet consumed is dropped too.
+        while not self._events.empty():
+            self._events.get_nowait()
+        self._events.put_nowait(None)
+
+    def _check_open(self) -> None:
+        if self._closed or self.request.input_ended:
+            raise RuntimeError(f"stream {self.id} no longer takes input")
+
+    def _submit(self, texts: list[str], end: bool = False) -> None:
+        clauses = []
+        for text in texts:
+            plan = self._engine._plan(self.request, text)
+            clauses.append(Clause(self._clauses, text, plan))
+            self._clauses += 1
+        self._engine._submit(self.request, clauses, end)
+
+    def _post(self, event: object) -> None:
+        """Called from engine threads."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
+            self._engine._cancel(self.request)
+
+    def _deliver(self, event: object) -> None:
+        if not self._closed:
+            if event is None or isinstance(event, Exception):
+                self._closed = True
+            self._events.put_nowait(event)
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
+        return self
+
+    async def __anext__(self) -> AudioChunk | ClauseDone:
+        if self._ended:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if event is None:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(event, Exception):
+            self._ended = True
+            raise event
+        return event
+
+    async def audio(self) -> AsyncIterator[np.ndarray]:
+        async for event in self:
+            if isinstance(event, AudioChunk):
+                yield event.samples
