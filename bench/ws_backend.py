@@ -1,0 +1,122 @@
+"""The `ws` mode: intone's WebSocket server (`intone serve`, a subprocess) through its client.
+
+The server runs the same engine as `batched` (default EngineConfig: `intone serve` has no dtype
+option), so ws minus batched is the transport's cost: JSON control messages, PCM over WebSocket,
+a second process, and the client's own CPU on the same cores.
+
+Connections follow the production advice: opened once before measuring and reused; one
+connection per concurrent client slot (as many as the sweep's largest concurrency), requests
+spread round-robin over them. Audio is 16-bit PCM at the model's rate (no resampling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from backends import _Server, free_port
+from common import NO_EOS
+
+VOICE = "bench"
+STAGES = ("prefill", "generate", "decode")
+
+
+class WsBackend:
+    trailing_padding = 0
+
+    def __init__(
+        self,
+        model: str,
+        voice_wav: str,
+        device: str,
+        workdir: Path,
+        connections: int = 16,
+    ):
+        self.model, self.voice_wav, self.device, self.workdir = model, voice_wav, device, workdir
+        self.connections = connections
+        self._stages0: dict | None = None
+
+    async def start(self) -> None:
+        from intone.provider.client import IntoneClient
+
+        voices = self.workdir / "ws-voices"
+        voices.mkdir(exist_ok=True)
+        shutil.copy(self.voice_wav, voices / f"{VOICE}{Path(self.voice_wav).suffix}")
+        port = free_port()
+        exe = shutil.which("intone") or str(Path(sys.executable).parent / "intone")
+        cmd = [exe, "serve", "--model", self.model, "--voices", str(voices)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", self.device]
+        cmd += ["--fallback-preset", "none"]
+        self.base = f"http://127.0.0.1:{port}"
+        self.server = _Server(cmd, f"{self.base}/healthz", self.workdir / "ws-server.log")
+        await self.server.start()
+        self.clients = []
+        for _ in range(self.connections):
+            client = IntoneClient(self.base)
+            await client.connect()
+            self.clients.append(client)
+        self._next = itertools.cycle(self.clients)
+
+    async def request(self, text: str, seed: int) -> AsyncIterator[int]:
+        client = next(self._next)
+        stream = await client.stream(
+            voice=VOICE,
+            format="pcm_s16le",
+            options={"eos_threshold": NO_EOS, "seed": seed},
+            text=text,
+            end=True,
+        )
+        finished = False
+        try:
+            async for pcm in stream:
+                yield len(pcm) // 2
+            finished = True
+        finally:
+            if not finished:
+                await stream.cancel(wait=False)
+
+    def _engine_stats(self) -> dict | None:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.base}/stats", timeout=10).json()["engine"]
+        except Exception:
+            return None
+
+    def reset_stage_metrics(self) -> None:
+        self._stages0 = self._engine_stats()
+
+    def stage_metrics(self) -> dict | None:
+        """Batch means over the level, from the server's counters (deltas of /stats)."""
+        now, before = self._engine_stats(), self._stages0
+        if now is None or before is None:
+            return None
+        out = {}
+        for stage in STAGES:
+            batches = now[f"{stage}_batches"] - before[f"{stage}_batches"]
+            rows = (
+                now[f"{stage}_batch_mean"] * now[f"{stage}_batches"]
+                - before[f"{stage}_batch_mean"] * before[f"{stage}_batches"]
+            )
+            out[f"{stage}_batches"] = batches
+            out[f"{stage}_batch_mean"] = rows / batches if batches else 0.0
+        return out
+
+    def server_cpu_seconds(self) -> float | None:
+        return self.server.cpu_seconds()
+
+    def info(self) -> dict:
+        return {
+            "server": "intone serve",
+            "server_device": self.device,
+            "connections": self.connections,
+            "cmd": self.server.cmd,
+        }
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.close()
+        await self.server.stop()

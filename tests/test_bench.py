@@ -1,0 +1,41 @@
+"""Smoke test of the benchmark runner on the tiny checkpoint: it runs, and its output holds up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--model", str(tiny_checkpoint)]
+    cmd += ["--modes", "sequential,batched", "--concurrency", "1,2", "--requests", "2"]
+    cmd += ["--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    results = json.loads((out / "results.json").read_text())
+    assert {"cpu", "cores", "torch", "gpu"} <= set(results["machine"])
+    runs = {(r["mode"], r["concurrency"]): r for r in results["runs"]}
+    assert set(runs) == {("sequential", 1), ("sequential", 2), ("batched", 1), ("batched", 2)}
+    for run in runs.values():
+        assert run["requests"] == run["completed"] == 2 and run["errors"] == 0
+        assert run["ttfa_ms_p50"] > 0 and run["latency_ms_p50"] >= run["ttfa_ms_p50"]
+        assert run["audio_throughput"] > 0 and run["rtf_p50"] > 0
+        assert 0 <= run["underrun_rate"] <= 1
+        assert run["client_cpu_share"] >= 0
+    # EOS is off: every mode generates the same audio for the same requests.
+    audio = {round(r["audio_s"], 3) for r in runs.values()}
+    assert len(audio) == 1
+    batched = runs[("batched", 2)]["batch_mean"]
+    assert set(batched) == {"prefill", "generate", "decode"}
+    assert all(v >= 1 for v in batched.values())
+    assert set(results["capacity"]) == {"sequential", "batched"}
+    assert results["acceptance"]["batched"]["vs sequential"]["ttfa_p50_c1"] > 0
+    for name in ("results.md", "ttfa.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| batched | c=2 |" in (out / "results.md").read_text()

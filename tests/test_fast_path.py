@@ -1,0 +1,104 @@
+"""The engine's fast path (bench/common.py: fast_engine_options, bf16) against float32.
+
+Reduced precision can't hold the float32 equivalence tolerance (1e-4 relative, test_oracle.py),
+so the fast path has its own, against the float32 single-request path on the same request
+(same seed, same noise, EOS off so the lengths match):
+
+- relative RMS error of the waveform:           ||fast - fp32|| / ||fp32|| <= 5e-3
+- per-frame log-spectral distance (1920-sample frames, Hann window, dB): mean <= 0.5, max <= 1.5
+
+Measured on the generated checkpoints (random weights), bf16 engine vs fp32 single path:
+tiny ~2e-5 relative RMS and <= 0.05 dB per frame; full size ~2e-4 and <= 0.3 dB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from intone.engine import Engine, EngineConfig, GenerationOptions
+from intone.engine.generate import generate
+from intone.engine.loading import LoadedModel, load_model
+from intone.engine.text import split_clauses
+from intone.engine.voices import Voice, load_voice
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from common import fast_engine_options  # noqa: E402
+
+REL_RMS_MAX = 5e-3
+LSD_MEAN_MAX_DB = 0.5
+LSD_FRAME_MAX_DB = 1.5
+FRAME = 1920
+TEXT = "I found two flights that leave tomorrow morning. The package should reach your door soon."
+
+
+def log_spectral_distance(ours: np.ndarray, ref: np.ndarray, frame: int = FRAME) -> np.ndarray:
+    """Per-frame RMS difference of the log-magnitude spectra, in dB."""
+    window = np.hanning(frame)
+    distances = []
+    for i in range(len(ref) // frame):
+        a = np.abs(np.fft.rfft(ours[i * frame : (i + 1) * frame] * window))
+        b = np.abs(np.fft.rfft(ref[i * frame : (i + 1) * frame] * window))
+        floor = 1e-5 * max(b.max(), 1e-8)  # -100 dB under the frame's peak
+        diff = 20 * np.log10(a + floor) - 20 * np.log10(b + floor)
+        distances.append(float(np.sqrt(np.mean(diff**2))))
+    return np.array(distances)
+
+
+def fast_options() -> dict:
+    options = fast_engine_options("cpu")
+    if "dtype" not in options:
+        pytest.skip(
+            "the engine has no reduced-precision option (EngineConfig.dtype): "
+            "no fast path to test yet"
+        )
+    return options
+
+
+async def compare(checkpoint: Path, loaded: LoadedModel, voice: Voice, temperature: float):
+    options = GenerationOptions(temperature=temperature, eos_threshold=1e9, seed=7)
+    clauses = split_clauses(loaded.tokenizer, TEXT)
+    assert len(clauses) == 2  # clause chaining is part of what is compared
+    ref = torch.cat(list(generate(loaded, voice, clauses, dataclasses.replace(options)))).numpy()
+    threads = torch.get_num_threads()  # the fast options may set torch's process-wide count
+    engine = Engine(load_model(checkpoint), EngineConfig(**fast_options())).start()
+    try:
+        assert engine.model.flow_lm.transformer.dtype != torch.float32
+        ours = await engine.synthesize(TEXT, options=dataclasses.replace(options))
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    assert ours.dtype == np.float32 and ours.shape == ref.shape
+    rel = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+    lsd = log_spectral_distance(ours, ref)
+    assert rel > 0, "the fast path gave bit-identical output: did it run in reduced precision?"
+    assert rel <= REL_RMS_MAX, f"relative RMS error {rel:.2e} > {REL_RMS_MAX}"
+    assert lsd.mean() <= LSD_MEAN_MAX_DB, f"mean log-spectral distance {lsd.mean():.3f} dB"
+    assert lsd.max() <= LSD_FRAME_MAX_DB, f"worst frame {lsd.max():.3f} dB at {lsd.argmax()}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+async def test_fast_path_within_tolerance_tiny(
+    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice, temperature: float
+):
+    await compare(tiny_checkpoint, tiny_model, tiny_voice, temperature)
+
+
+@pytest.mark.full
+async def test_fast_path_within_tolerance_full(full_checkpoint: Path):
+    loaded = load_model(full_checkpoint)
+    voice = load_voice(loaded.model, "default", full_checkpoint / "voices" / "default.wav")
+    await compare(full_checkpoint, loaded, voice, 0.3)
+
+
+def test_log_spectral_distance_sees_a_difference():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(FRAME * 4).astype(np.float32)
+    assert log_spectral_distance(ref, ref).max() == 0
+    louder = log_spectral_distance(ref * 10 ** (1 / 20), ref)  # +1 dB everywhere
+    assert np.allclose(louder, 1.0, atol=1e-3)
