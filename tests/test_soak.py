@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from intone.engine.generate import GenerationOptions
 from intone.engine.loading import load_model
 from intone.engine.sequence import Request
 
+CHILD_FLAG = "INTONE_SOAK_IN_CHILD"
 N_REQUESTS = 1000  # after warm-up
 CONCURRENCY = 12  # requests per wave
 WARMUP_WAVES = 8  # caches settle: most of the early growth is over by then
@@ -110,6 +113,27 @@ async def wait_idle(engine: Engine, floor: int) -> None:
 
 
 def test_soak(tiny_checkpoint: Path) -> None:
+    """Runs in a process of its own: memory counters are process-wide, and threads left by
+    other tests in a shared pytest process (servers, framework clients) allocate meanwhile."""
+    if os.environ.get(CHILD_FLAG) != "1":
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"{__file__}::test_soak",
+            ],
+            env={**os.environ, CHILD_FLAG: "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        assert "1 passed" in result.stdout
+        return
     engine = Engine(
         load_model(tiny_checkpoint), EngineConfig(num_pages=256, max_active=8, max_queued=64)
     ).start()
