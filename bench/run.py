@@ -118,6 +118,7 @@ async def run_worker(spec: dict) -> list[dict]:
         specs = loadgen.make_specs(level["requests"], seed=SEED)
         backend.reset_stage_metrics()
         load0 = os.getloadavg()[0]
+        started_at = time.strftime("%Y-%m-%dT%H:%M:%S")
         foreign0 = foreign_cpu_seconds()
         cpu0, thread0 = time.process_time(), time.thread_time()
         server0 = backend.server_cpu_seconds()
@@ -132,7 +133,8 @@ async def run_worker(spec: dict) -> list[dict]:
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         server1 = backend.server_cpu_seconds()
-        run = {"mode": spec["mode"], **level}
+        run = {"mode": spec["mode"], **level, "started_at": started_at}
+        run["commit"] = spec.get("commit")
         run.update(loadgen.summarize(records, backend.trailing_padding))
         network = base in NETWORK_MODES
         # The client's own CPU: the whole client process for network modes; for in-process
@@ -199,6 +201,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--voice", default=None, help="voice WAV (default: the checkpoint's)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up requests per mode")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument(
+        "--merge-from",
+        type=Path,
+        default=None,
+        help="a results dir whose runs to keep, replaced by this sweep's runs of the same mode "
+        "and level (re-measure what another user's load disturbed)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -232,6 +241,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "warmup": args.warmup,
         "fast_options": fast,
         "workdir": str(workdir.resolve()),
+        "commit": args.commit,
         "out": str((workdir / "runs.json").resolve()),
     }
     spec_path = workdir / "spec.json"
@@ -256,6 +266,15 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
     if proc.returncode != 0:
         return [], f"{mode}: worker failed (exit {proc.returncode}): {''.join(tail)[-1500:]}"
     return json.loads(Path(spec["out"]).read_text()), None
+
+
+def _key(run: dict) -> tuple:
+    return (run["mode"], run["load"], run.get("concurrency"), run.get("arrival_rate"))
+
+
+def _merge(kept: list[dict], new: list[dict]) -> list[dict]:
+    replaced = {_key(r) for r in new}
+    return [r for r in kept if _key(r) not in replaced] + new
 
 
 def capacity(runs: list[dict], ttfa_p95_ms: float | None = None) -> dict[str, int]:
@@ -335,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     fast = fast_engine_options(args.device)
     machine = machine_info(args.device)
+    args.commit = machine.get("git_commit", "") + ("+dirty" if machine.get("git_dirty") else "")
+    kept: list[dict] = []
+    if args.merge_from:
+        previous = json.loads((args.merge_from / "results.json").read_text())
+        kept = previous["runs"]
     notes = [
         f"EOS disabled in every mode (eos_threshold={NO_EOS:g}); each prompt always gives the "
         "same number of frames.",
@@ -375,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
             log(error)
             notes.append(error)
         all_runs.extend(runs)
+        merged = _merge(kept, all_runs)
         log(f"{mode}: done in {time.perf_counter() - t:.0f} s")
         results = {
             "machine": {**machine, "loadavg_end": list(os.getloadavg())},
@@ -394,22 +419,29 @@ def main(argv: list[str] | None = None) -> None:
                 "fast_options": fast,
                 "sweep_seconds": time.time() - started,
             },
-            "runs": all_runs,
-            "capacity": capacity(all_runs),
-            f"capacity_ttfa_p95_under_{CAPACITY_TTFA_MS}ms": capacity(all_runs, CAPACITY_TTFA_MS),
-            "acceptance": acceptance(all_runs),
+            "runs": merged,
+            "capacity": capacity(merged),
+            f"capacity_ttfa_p95_under_{CAPACITY_TTFA_MS}ms": capacity(merged, CAPACITY_TTFA_MS),
+            "acceptance": acceptance(merged),
             "notes": notes,
         }
         # Written after every mode, so a long sweep that dies keeps what it measured.
         results = round_floats(results)
         (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         write_report(results, args.out)
-    for run in all_runs:
-        if run.get("client_cpu_share", 0) > 0.5 and run["mode"] in NETWORK_MODES:
+    if kept:
+        notes.append(
+            f"Merged: {len(all_runs)} runs measured in this sweep replaced or joined "
+            f"{len(kept)} kept from {args.merge_from}; every run carries its started_at, commit "
+            "and foreign_cpu_cores."
+        )
+    for run in merged:
+        if run.get("client_cpu_share", 0) > 0.5 and split_mode(run["mode"])[0] in NETWORK_MODES:
             notes.append(
                 f"{run['mode']} c={run.get('concurrency')}: the client process used "
                 f"{run['client_cpu_share']:.0%} of a core: it competes with the server."
             )
+    results["notes"] = notes
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_report(results, args.out)
     log(f"wrote {args.out}/results.json, results.md and plots in {time.time() - started:.0f} s")
