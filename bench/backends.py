@@ -65,7 +65,7 @@ class _LocalModel:
         self.voice = load_voice(self.loaded.model, "bench", self.voice_wav)
 
     def _options(self, seed: int):
-        from intone.engine.generate import GenerationOptions
+        from intone.engine.options import GenerationOptions
 
         return GenerationOptions(eos_threshold=NO_EOS, seed=seed)
 

@@ -44,8 +44,9 @@ def _timed(frames) -> tuple[float, float, int]:
 def run_intone(model: str, voice_wav: str, texts: list[str], repeats: int, threads: int | None):
     import torch
 
-    from intone.engine.generate import GenerationOptions, generate
+    from intone.engine.generate import generate
     from intone.engine.loading import load_model
+    from intone.engine.options import GenerationOptions
     from intone.engine.text import split_clauses
     from intone.engine.voices import load_voice
 

@@ -24,8 +24,9 @@ def _say(args: argparse.Namespace) -> None:
     import torch
 
     from intone.engine.audio import write_wav
-    from intone.engine.generate import GenerationOptions, generate
+    from intone.engine.generate import generate
     from intone.engine.loading import load_model
+    from intone.engine.options import GenerationOptions
     from intone.engine.text import split_clauses
     from intone.engine.voices import load_voice
 

@@ -23,10 +23,11 @@ import torch
 from intone.engine.block_manager import BlockManager
 from intone.engine.decoder_worker import ClauseEndItem, DecoderWorker, FinishItem, LatentItem
 from intone.engine.errors import EngineError, EngineFullError
-from intone.engine.generate import ClausePlan, GenerationOptions, make_generator, plan_clause
+from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
+from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.scheduler import Scheduler, VoicePrefix
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import AudioChunk, ClauseDone, Stream

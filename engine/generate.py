@@ -13,7 +13,6 @@ import queue
 import secrets
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -21,88 +20,12 @@ from torch.nn import functional as F
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
-from intone.engine.text import max_gen_len, prepare_text
+from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions, plan_clause
 from intone.engine.voices import Voice
 
-# EOS is ignored on the first frames, as in the reference: some voices' EOS logit crosses the
-# threshold before speech starts.
-MIN_FRAMES_BEFORE_EOS = 6
 # The reference fades in the first 5 ms (sample_rate // 200) of a fresh decoder state to hide a
 # small step in its first samples.
 FADE_IN_DIVISOR = 200
-
-
-@dataclass
-class GenerationOptions:
-    temperature: float | None = None  # None: the config's default_temperature
-    eos_threshold: float | None = None  # None: the config's default_eos_threshold
-    frames_after_eos: int | None = None  # None: the config's or the text-length guess
-    max_frames: int | None = None  # per clause; None: the reference's estimate from the text
-    flow_steps: int = 1
-    noise_clamp: float | None = None
-    seed: int | None = None  # None: a fresh random seed
-    chain_frames: int = 4  # 0 turns clause chaining off
-
-    def validate(self) -> None:
-        if self.temperature is not None and not (0 <= self.temperature <= 10):
-            raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
-        if self.flow_steps < 1:
-            raise ValueError(f"flow_steps must be >= 1, got {self.flow_steps}")
-        if self.chain_frames < 0:
-            raise ValueError(f"chain_frames must be >= 0, got {self.chain_frames}")
-        if self.max_frames is not None and self.max_frames < 1:
-            raise ValueError(f"max_frames must be >= 1, got {self.max_frames}")
-        if self.frames_after_eos is not None and self.frames_after_eos < 0:
-            raise ValueError(f"frames_after_eos must be >= 0, got {self.frames_after_eos}")
-        if self.noise_clamp is not None and self.noise_clamp <= 0:
-            raise ValueError(f"noise_clamp must be > 0, got {self.noise_clamp}")
-
-
-@dataclass
-class ClausePlan:
-    """Everything about a clause that is fixed before its first frame."""
-
-    tokens: list[int]
-    max_frames: int
-    frames_after_eos: int
-
-
-@dataclass
-class ClauseProgress:
-    """Where a clause's generation stands: frame count, EOS, and when to stop."""
-
-    plan: ClausePlan
-    step: int = 0
-    eos_step: int | None = None
-    ended: bool = False
-
-    def advance(self, is_eos: bool) -> bool:
-        """Account for one sampled latent; False when the clause ends here and it is dropped."""
-        step = self.step
-        self.step += 1
-        if is_eos and self.eos_step is None and step >= MIN_FRAMES_BEFORE_EOS:
-            self.eos_step = step
-        if self.eos_step is not None and step >= self.eos_step + self.plan.frames_after_eos:
-            self.ended = True
-            return False
-        if self.step >= self.plan.max_frames:
-            self.ended = True
-        return True
-
-
-def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
-    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
-    tokens = loaded.tokenizer.encode(text)
-    frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
-    if options.max_frames is not None:
-        frames = min(frames, options.max_frames)
-    if options.frames_after_eos is not None:
-        after_eos = options.frames_after_eos
-    elif loaded.config.model_recommended_frames_after_eos is not None:
-        after_eos = loaded.config.model_recommended_frames_after_eos
-    else:
-        after_eos = frames_after_eos_guess
-    return ClausePlan(tokens, frames, after_eos)
 
 
 def chain_embeddings(loaded: LoadedModel, tail: torch.Tensor) -> torch.Tensor:

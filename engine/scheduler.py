@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.generate import ClauseProgress
 from intone.engine.model_runner import ModelRunner
+from intone.engine.options import ClauseProgress
 from intone.engine.sequence import Phase, Request
 
 

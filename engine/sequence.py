@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from intone.engine.block_manager import PageTable
-from intone.engine.generate import ClausePlan, ClauseProgress, GenerationOptions
+from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions
 
 
 class Phase(enum.Enum):

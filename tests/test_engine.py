@@ -32,16 +32,12 @@ from intone.engine import (
     Engine,
     EngineConfig,
     EngineFullError,
+    InvalidOptionError,
     Stream,
 )
-from intone.engine.generate import (
-    GenerationOptions,
-    fade_in,
-    generate,
-    generate_latents,
-    plan_clause,
-)
+from intone.engine.generate import fade_in, generate, generate_latents
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.options import GenerationOptions, plan_clause
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
 
@@ -730,17 +726,13 @@ async def test_bad_input_raises_at_submit_and_leaves_the_engine_alone(
         engine.stream("nobody")
     with pytest.raises(ValueError, match="unknown voice"):
         await engine.synthesize(TEXTS[0], voice="nobody")
-    bad_options = [
-        GenerationOptions(temperature=-0.1),
-        GenerationOptions(flow_steps=2),
-        GenerationOptions(chain_frames=-1),
-        GenerationOptions(max_frames=0),
-    ]
-    for opts in bad_options:
-        with pytest.raises(ValueError):
-            engine.stream(None, opts)
-        with pytest.raises(ValueError):
-            await engine.synthesize(TEXTS[0], options=opts)
+    for bad in [{"temperature": -0.1}, {"chain_frames": -1}, {"max_frames": 0}]:
+        with pytest.raises(InvalidOptionError):
+            GenerationOptions(**bad)
+    with pytest.raises(ValueError):  # valid options, but not what this engine runs
+        engine.stream(None, GenerationOptions(flow_steps=2))
+    with pytest.raises(ValueError):
+        await engine.synthesize(TEXTS[0], options=GenerationOptions(flow_steps=2))
     await unchanged()
 
     stream = engine.stream()

@@ -9,10 +9,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from intone.engine.generate import GenerationOptions, generate_latents
+from intone.engine.generate import generate_latents
 from intone.engine.loading import load_model
 from intone.engine.models.pocket.config import dump_config, load_config
 from intone.engine.models.pocket.model import PocketTTS
+from intone.engine.options import GenerationOptions
 from intone.engine.voices import load_voice
 
 TEXT = "The flow head integrates its velocity field in several steps."

@@ -11,10 +11,11 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from intone.engine.generate import GenerationOptions, generate
+from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
 from intone.engine.models.pocket.config import dump_config, load_config
 from intone.engine.models.pocket.model import ENCODER_PREFIXES
+from intone.engine.options import GenerationOptions
 from intone.engine.voices import Voice, load_voice
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

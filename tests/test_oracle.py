@@ -9,9 +9,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from intone.engine.generate import GenerationOptions, generate, generate_latents
+from intone.engine.generate import generate, generate_latents
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.config import dump_config, load_config
+from intone.engine.options import GenerationOptions
 from intone.engine.voices import Voice, load_voice
 
 TEXT = "Hello world, this is a quick test of the streaming system."

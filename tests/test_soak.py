@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from intone.engine import AudioChunk, Engine, EngineConfig, Stream
-from intone.engine.generate import GenerationOptions
 from intone.engine.loading import load_model
+from intone.engine.options import GenerationOptions
 from intone.engine.sequence import Request
 
 CHILD_FLAG = "INTONE_SOAK_IN_CHILD"

@@ -11,8 +11,9 @@ import soxr
 import torch
 from safetensors.torch import load_file, save_file
 
-from intone.engine.generate import GenerationOptions, generate
+from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, ModelUnavailableError
+from intone.engine.options import GenerationOptions
 from intone.engine.voices import Voice, load_voice, voice_from_audio
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 16  # the tiny preset's FlowLM

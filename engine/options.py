@@ -1,0 +1,127 @@
+"""Generation options and the plan of a clause: one home for both, torch-free.
+
+`GenerationOptions` validates itself when it is built (and when `dataclasses.replace` builds a
+copy), so a bad value is refused at the API with `InvalidOptionError` and never reaches a batched
+step. The server, the client and both plugins derive their option lists from its fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from intone.engine.errors import InvalidOptionError
+from intone.engine.text import max_gen_len, prepare_text
+
+if TYPE_CHECKING:
+    from intone.engine.loading import LoadedModel
+
+# EOS is ignored on the first frames, as in the reference: some voices' EOS logit crosses the
+# threshold before speech starts.
+MIN_FRAMES_BEFORE_EOS = 6
+
+# Per field: (lowest, highest) accepted value, both inclusive unless named in _OPEN_LOW.
+# The highs are far past any useful setting; they exist so that a typo or a hostile client
+# cannot ask for a clause of a million frames or a tail longer than the KV pool.
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 10.0),
+    "eos_threshold": (-1e9, 1e9),  # 1e9 turns EOS off (benchmarks, oracle tests)
+    "frames_after_eos": (0, 250),  # 20 s at 12.5 frames/s
+    "max_frames": (1, 2_000),  # 160 s per clause; a clause is at most ~50 tokens (~20 s)
+    "flow_steps": (1, 64),
+    "noise_clamp": (0.0, 100.0),
+    "seed": (0, 2**63 - 1),
+    "chain_frames": (0, 32),  # 2.6 s of the previous clause
+}
+_OPEN_LOW = {"noise_clamp"}
+_INTEGERS = {"frames_after_eos", "max_frames", "flow_steps", "seed", "chain_frames"}
+
+
+@dataclass
+class GenerationOptions:
+    temperature: float | None = None  # None: the config's default_temperature
+    eos_threshold: float | None = None  # None: the config's default_eos_threshold
+    frames_after_eos: int | None = None  # None: the config's or the text-length guess
+    max_frames: int | None = None  # per clause; None: the reference's estimate from the text
+    flow_steps: int = 1
+    noise_clamp: float | None = None
+    seed: int | None = None  # None: a fresh random seed
+    chain_frames: int = 4  # 0 turns clause chaining off
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidOptionError naming the first bad field."""
+        for f in fields(self):
+            check_option(f.name, getattr(self, f.name))
+
+
+def option_names() -> list[str]:
+    """The names of every generation option, for APIs that expose them."""
+    return [f.name for f in fields(GenerationOptions)]
+
+
+def check_option(name: str, value: object) -> None:
+    """Refuse a value of the wrong type, NaN, infinity or out of its field's range."""
+    if value is None and name not in ("flow_steps", "chain_frames"):
+        return
+    low, high = _BOUNDS[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidOptionError(f"{name} must be a number, got {type(value).__name__}")
+    if name in _INTEGERS and not isinstance(value, int):
+        raise InvalidOptionError(f"{name} must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidOptionError(f"{name} must be finite, got {value!r}")
+    too_low = value <= low if name in _OPEN_LOW else value < low
+    if too_low or value > high:
+        bracket = "(" if name in _OPEN_LOW else "["
+        raise InvalidOptionError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
+
+
+@dataclass
+class ClausePlan:
+    """Everything about a clause that is fixed before its first frame."""
+
+    tokens: list[int]
+    max_frames: int
+    frames_after_eos: int
+
+
+@dataclass
+class ClauseProgress:
+    """Where a clause's generation stands: frame count, EOS, and when to stop."""
+
+    plan: ClausePlan
+    step: int = 0
+    eos_step: int | None = None
+    ended: bool = False
+
+    def advance(self, is_eos: bool) -> bool:
+        """Account for one sampled latent; False when the clause ends here and it is dropped."""
+        step = self.step
+        self.step += 1
+        if is_eos and self.eos_step is None and step >= MIN_FRAMES_BEFORE_EOS:
+            self.eos_step = step
+        if self.eos_step is not None and step >= self.eos_step + self.plan.frames_after_eos:
+            self.ended = True
+            return False
+        if self.step >= self.plan.max_frames:
+            self.ended = True
+        return True
+
+
+def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
+    tokens = loaded.tokenizer.encode(text)
+    frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
+    if options.max_frames is not None:
+        frames = min(frames, options.max_frames)
+    if options.frames_after_eos is not None:
+        after_eos = options.frames_after_eos
+    elif loaded.config.model_recommended_frames_after_eos is not None:
+        after_eos = loaded.config.model_recommended_frames_after_eos
+    else:
+        after_eos = frames_after_eos_guess
+    return ClausePlan(tokens, frames, after_eos)
