@@ -1,6 +1,6 @@
 """intone's inference engine: the Pocket TTS model, one-request generation, the batched engine."""
 
-from intone.engine.engine import Engine, EngineConfig
+from intone.engine.engine import Engine, EngineConfig, Health
 from intone.engine.errors import (
     EmptyTextError,
     EngineClosedError,
@@ -13,9 +13,10 @@ from intone.engine.errors import (
     TextTooLongError,
     UnknownVoiceError,
 )
+from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
 from intone.engine.options import GenerationOptions
-from intone.engine.stream import AudioChunk, ClauseDone, Stream
+from intone.engine.stream import Stream
 
 __all__ = [
     "AudioChunk",
@@ -28,6 +29,7 @@ __all__ = [
     "EngineFailedError",
     "EngineFullError",
     "GenerationOptions",
+    "Health",
     "IdleTimeoutError",
     "InvalidOptionError",
     "LoadedModel",

@@ -5,6 +5,11 @@ in each request's order: a latent, the end of a clause, and the end of the reque
 call takes the ready latents of up to `max_batch` requests, gathers each request's own decoder
 history, decodes them as one batch and scatters the histories back. When a request has several
 latents waiting, as after a burst, a call decodes up to `max_frames_per_call` of them per row.
+
+A decode call that fails is retried row by row on the same latents (a row's history advances only
+when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
+Any other error in the loop is the decoder stage's own: `on_fatal` fails the engine, so no stream
+waits on a dead thread.
 """
 
 from __future__ import annotations
@@ -18,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from intone.engine.errors import EngineError
+from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.sequence import Request, now
-from intone.engine.stream import AudioChunk, ClauseDone
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,9 @@ class DecoderWorker:
         max_batch: int,
         max_frames_per_call: int,
         on_clause_delivered: Callable[[Request], None],
-        on_released: Callable[[Request], None],
+        on_finished: Callable[[Request, FinishItem], None],
+        on_failed: Callable[[Request, Exception], None],
+        on_fatal: Callable[[str, BaseException], None],
     ):
         self.runner = runner
         self.metrics = metrics
@@ -68,7 +74,9 @@ class DecoderWorker:
         self.max_batch = max_batch
         self.max_frames_per_call = max_frames_per_call
         self.on_clause_delivered = on_clause_delivered
-        self.on_released = on_released
+        self.on_finished = on_finished
+        self.on_failed = on_failed
+        self.on_fatal = on_fatal
         self.queue: queue.Queue[Item | None] = queue.Queue()
         # Per request, its items not handled yet, in order; and the requests holding a row.
         self._pending: dict[str, deque[Item]] = {}
@@ -88,7 +96,18 @@ class DecoderWorker:
     def put(self, item: Item) -> None:
         self.queue.put(item)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:
+            logger.exception("the decoder stage failed")
+            self.on_fatal(f"decoder stage failed: {e!r}", e)
+
+    def _serve(self) -> None:
         stop = False
         while not stop:
             items = [self.queue.get()]
@@ -122,13 +141,34 @@ class DecoderWorker:
             # Every row of a call advances by the same number of frames.
             frames = min(self._leading_latents(items) for items in ready)
             rows = [[items.popleft() for _ in range(frames)] for items in ready]
+            for row, audio in self._decode_with_retry(rows):
+                self._deliver(row, audio)
+
+    def _decode_with_retry(
+        self, rows: list[list[LatentItem]]
+    ) -> list[tuple[list[LatentItem], torch.Tensor]]:
+        """Decode `rows` together; if that fails, each alone, failing only rows that fail alone."""
+        try:
+            return list(zip(rows, self._decode(rows), strict=True))
+        except Exception as e:
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+                return []
+            logger.warning(
+                "a decode call of %d rows failed (%r); retrying row by row", len(rows), e
+            )
+        done = []
+        for row in rows:
             try:
-                self._decode(rows)
+                done.append((row, self._decode([row])[0]))
             except Exception as e:
-                logger.exception("decode failed")
-                for row in rows:
-                    row[0].request.cancelled = True
-                    row[0].request.sink(EngineError(str(e)))
+                self._fail(row, e)
+        return done
+
+    def _fail(self, row: list[LatentItem], error: Exception) -> None:
+        request = row[0].request
+        logger.error("decoding %s failed: %r", request.id, error, exc_info=error)
+        self.on_failed(request, error)
 
     def _leading_latents(self, items: deque[Item]) -> int:
         count = 0
@@ -142,24 +182,21 @@ class DecoderWorker:
         for request_id in list(self._pending):
             items = self._pending[request_id]
             request = self._requests[request_id]
-            while items and (request.cancelled or not isinstance(items[0], LatentItem)):
+            while items and (dropped(request) or not isinstance(items[0], LatentItem)):
                 item = items.popleft()
                 if isinstance(item, LatentItem):
-                    continue  # cancelled: its latents are not worth decoding
+                    continue  # cancelled or failed: its latents are not worth decoding
                 if isinstance(item, ClauseEndItem):
-                    if not request.cancelled:
+                    if not dropped(request):
                         request.sink(item.event)
                     self.on_clause_delivered(request)
                 else:
                     items.clear()
                     self._release(request)
                     del self._requests[request_id]
-                    if item.error is not None:
-                        request.sink(item.error)
-                    else:
+                    if item.error is None:
                         self.metrics.finished(request.metrics, cancelled=item.cancelled)
-                        if not item.cancelled:
-                            request.sink(None)
+                    self.on_finished(request, item)
             if not items:
                 del self._pending[request_id]
 
@@ -167,9 +204,9 @@ class DecoderWorker:
         if request.decoder_slot is not None:
             self.runner.decoder_states.release(request.decoder_slot)
             request.decoder_slot = None
-        self.on_released(request)
 
-    def _decode(self, rows: list[list[LatentItem]]) -> None:
+    def _decode(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+        """Audio [rows, frames * samples_per_frame] on the host."""
         for row in rows:
             if row[0].request.decoder_slot is None:
                 row[0].request.decoder_slot = self.runner.decoder_states.acquire()
@@ -177,16 +214,23 @@ class DecoderWorker:
         latents = torch.stack([torch.stack([item.latent for item in row]) for row in rows])
         audio = self.runner.decode(slots, latents).cpu()
         self.metrics.batch("decode", len(rows))
-        for row, samples in zip(rows, audio, strict=True):
-            request = row[0].request
-            frame_size = samples.shape[-1] // len(row)
-            for index, item in enumerate(row):
-                frame = samples[index * frame_size : (index + 1) * frame_size]
-                if request.frames_delivered == 0:
-                    frame = fade_in(frame, self.sample_rate)
-                    request.metrics.first_audio_at = now()
-                request.frames_delivered += 1
-                request.metrics.audio_samples += frame.numel()
-                self.metrics.audio(frame.numel() / self.sample_rate)
-                if not request.cancelled:
-                    request.sink(AudioChunk(frame.numpy(), item.clause))
+        return audio
+
+    def _deliver(self, row: list[LatentItem], samples: torch.Tensor) -> None:
+        request = row[0].request
+        frame_size = samples.shape[-1] // len(row)
+        for index, item in enumerate(row):
+            frame = samples[index * frame_size : (index + 1) * frame_size]
+            if request.frames_delivered == 0:
+                frame = fade_in(frame, self.sample_rate)
+                request.metrics.first_audio_at = now()
+            request.frames_delivered += 1
+            request.metrics.audio_samples += frame.numel()
+            self.metrics.audio(frame.numel() / self.sample_rate)
+            if not dropped(request):
+                request.sink(AudioChunk(frame.numpy(), item.clause))
+
+
+def dropped(request: Request) -> bool:
+    """Nothing more of this request is worth decoding or delivering."""
+    return request.cancelled or request.error is not None

@@ -1,8 +1,8 @@
 """A request as the engine sees it: a text stream cut into clauses, and its per-clause AR state.
 
 Ownership: the caller's thread appends clauses and sets `input_ended`/`cancelled` under the
-engine lock; the AR thread owns everything under "AR state"; the decoder thread owns
-`decoder_slot` and the delivery counters.
+engine lock (the decoder thread sets `error` under it too); the AR thread owns everything under
+"AR state"; the decoder thread owns `decoder_slot` and the delivery counters.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ class Request:
     pending: deque[Clause] = field(default_factory=deque)
     input_ended: bool = False
     cancelled: bool = False
+    # A failure pinned on this request by a stage that cannot end it itself (the decoder);
+    # the AR thread ends the request with it.
+    error: Exception | None = None
     # AR state.
     phase: Phase = Phase.WAITING
     clause: Clause | None = None

@@ -2,37 +2,27 @@
 
 Engine threads hand events over with `loop.call_soon_threadsafe`, so a stream works from any
 asyncio loop, several loops at once included (LiveKit's thread executor gives every job its own).
+A stream talks to its engine only through the engine's public request methods (`plan`,
+`submit`, `cancel`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from intone.engine.errors import EmptyTextError, StreamClosedError, TextTooLongError
+from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.sequence import Clause, Request, RequestMetrics
 from intone.engine.text import ClauseSplitter
 
 if TYPE_CHECKING:
     from intone.engine.engine import Engine
 
-
-@dataclass
-class AudioChunk:
-    """One frame of audio, float32 at the model's rate."""
-
-    samples: np.ndarray
-    clause: int
-
-
-@dataclass
-class ClauseDone:
-    clause: int
-    text: str
-    frames: int
+__all__ = ["AudioChunk", "ClauseDone", "Stream"]
 
 
 class Stream:
@@ -60,10 +50,9 @@ class Stream:
 
     def push_text(self, text: str) -> None:
         self._check_open()
-        if self._chars + len(text) > self._engine.config.max_text_chars:
-            raise ValueError(
-                f"text over the limit of {self._engine.config.max_text_chars} characters"
-            )
+        limit = self._engine.config.max_text_chars
+        if self._chars + len(text) > limit:
+            raise TextTooLongError(f"text over the limit of {limit} characters")
         self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
@@ -76,13 +65,13 @@ class Stream:
     def end_input(self) -> None:
         self._check_open()
         if not self._has_text:
-            raise ValueError("no text was pushed: nothing to synthesise")
+            raise EmptyTextError("no text was pushed: nothing to synthesise")
         self._submit(self._splitter.end(), end=True)
 
     def cancel(self) -> None:
         """Stop now: no audio is delivered after this returns; engine state is released."""
         self._closed = True
-        self._engine._cancel(self.request)
+        self._engine.cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
@@ -90,22 +79,23 @@ class Stream:
 
     def _check_open(self) -> None:
         if self._closed or self.request.input_ended:
-            raise RuntimeError(f"stream {self.id} no longer takes input")
+            raise StreamClosedError(f"stream {self.id} no longer takes input")
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []
         for text in texts:
-            plan = self._engine._plan(self.request, text)
+            plan = self._engine.plan(self.request, text)
             clauses.append(Clause(self._clauses, text, plan))
             self._clauses += 1
-        self._engine._submit(self.request, clauses, end)
+        self._engine.submit(self.request, clauses, end)
 
-    def _post(self, event: object) -> None:
-        """Called from engine threads."""
+    def post(self, event: object) -> None:
+        """Hand an event over from an engine thread: audio, a clause end, None (the end) or
+        an exception (the end, failed)."""
         try:
             self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
-            self._engine._cancel(self.request)
+            self._engine.cancel(self.request)
 
     def _deliver(self, event: object) -> None:
         if not self._closed:

@@ -81,6 +81,10 @@ class FlowLM(nn.Module):
             embeddings = torch.cat([self.bos_before_voice[0], embeddings], dim=0)
         return embeddings
 
+    def embed_tail(self, tail: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings [T, D] for a clause's chaining tail (normalised latents), as voice."""
+        return F.linear(self.denormalize(tail), self.speaker_proj_weight)
+
     def embed_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Backbone inputs [N, D] from normalised latents [N, latent]; NaN rows mean BOS."""
         latents = torch.where(torch.isnan(latents), self.bos_emb, latents)

@@ -89,9 +89,11 @@ def plan_step(
     In a decode step the key length is rounded up to `key_multiple`, so that step shapes repeat.
     """
     device = pool.keys.device
-    positions = torch.cat([torch.arange(len(s.slots) - s.num_new, len(s.slots)) for s in steps]).to(
-        device
+    # Built on the host and moved once: the mask below needs the host copy (no device read-back).
+    host_positions = torch.cat(
+        [torch.arange(len(s.slots) - s.num_new, len(s.slots)) for s in steps]
     )
+    positions = host_positions.to(device)
     write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]).to(device)
     lengths = [len(s.slots) for s in steps]
     if all(s.num_new == 1 for s in steps):
@@ -108,7 +110,7 @@ def plan_step(
         key_pos = torch.cat([torch.arange(n) for n in lengths])
         query_seq = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(steps)])
         mask = (query_seq[:, None] == key_seq[None, :]) & (
-            key_pos[None, :] <= positions.cpu()[:, None]
+            key_pos[None, :] <= host_positions[:, None]
         )
         mask = mask[None, None]
     return positions, SlotAttention(pool, write_slots, read_slots.to(device), mask.to(device))
