@@ -82,12 +82,14 @@ class DecoderWorker:
         self._pending: dict[str, deque[Item]] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopping = True
         self.queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -106,6 +108,9 @@ class DecoderWorker:
         except BaseException as e:
             logger.exception("the decoder stage failed")
             self.on_fatal(f"decoder stage failed: {e!r}", e)
+            return
+        if not self._stopping:
+            self.on_fatal("the decoder thread stopped", None)
 
     def _serve(self) -> None:
         stop = False

@@ -1,5 +1,6 @@
 """Generation options and the plan of a clause: one home for both, torch-free.
 
+It imports nothing beyond the standard library (the protocol module and the client use it).
 `GenerationOptions` validates itself when it is built (and when `dataclasses.replace` builds a
 copy), so a bad value is refused at the API with `InvalidOptionError` and never reaches a batched
 step. The server, the client and both plugins derive their option lists from its fields.
@@ -12,7 +13,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-from intone.engine.text import max_gen_len, prepare_text
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -61,6 +61,13 @@ class GenerationOptions:
 def option_names() -> list[str]:
     """The names of every generation option, for APIs that expose them."""
     return [f.name for f in fields(GenerationOptions)]
+
+
+def option_type(name: str) -> type:
+    """int for options that take whole numbers, float for the others (which take ints too)."""
+    if name not in _BOUNDS:
+        raise InvalidOptionError(f"unknown option {name!r}; known options: {option_names()}")
+    return int if name in _INTEGERS else float
 
 
 def check_option(name: str, value: object) -> None:
@@ -113,6 +120,9 @@ class ClauseProgress:
 
 
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    # Imported here: the rest of this module is imported by clients with no tokenizer installed.
+    from intone.engine.text import max_gen_len, prepare_text
+
     text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
     tokens = loaded.tokenizer.encode(text)
     frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)

@@ -34,26 +34,24 @@ from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 from intone.engine import (
     AudioChunk,
     ClauseDone,
+    EmptyTextError,
     Engine,
     EngineConfig,
     EngineError,
     EngineFullError,
+    InvalidOptionError,
     LoadedModel,
+    TextTooLongError,
+    UnknownVoiceError,
 )
+from intone.engine.options import option_names
 from intone.provider import shared
 
 logger = logging.getLogger(__name__)
 
-# Generation settings a turn's stream takes from the service settings.
-GENERATION_FIELDS = (
-    "temperature",
-    "eos_threshold",
-    "frames_after_eos",
-    "max_frames",
-    "noise_clamp",
-    "seed",
-    "chain_frames",
-)
+# Generation settings a turn's stream takes from the service settings: GenerationOptions'
+# fields, less flow_steps, which is fixed per engine.
+GENERATION_FIELDS = tuple(name for name in option_names() if name != "flow_steps")
 
 # The longest wait for a context's next audio item (first audio or any gap) before Pipecat ends
 # the context. Pipecat's 3 s is too short for a loaded engine: a turn that arrives while every
@@ -409,10 +407,10 @@ def _error_category(e: Exception) -> ErrorCategory:
         return ErrorCategory.SERVER
     if isinstance(e, EngineFullError):
         return ErrorCategory.RATE_LIMIT
-    if isinstance(e, ValueError):
-        # An unknown voice stays wrong until the settings change; bad text is the app's.
-        if "voice" in str(e):
-            return ErrorCategory.INVALID_REQUEST
+    # A bad voice or option stays wrong until the settings change; bad text is the app's.
+    if isinstance(e, UnknownVoiceError | InvalidOptionError):
+        return ErrorCategory.INVALID_REQUEST
+    if isinstance(e, EmptyTextError | TextTooLongError | ValueError):
         return ErrorCategory.APPLICATION
     if isinstance(e, EngineError):
         return ErrorCategory.SERVER

@@ -23,7 +23,7 @@ import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,10 +35,13 @@ from intone.engine import (
     Engine,
     EngineConfig,
     GenerationOptions,
+    InvalidOptionError,
     LoadedModel,
     Stream,
+    UnknownVoiceError,
 )
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.engine.options import option_names
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +245,7 @@ def ensure_voice(engine: Engine, voice: str | None) -> str | None:
     if source is None and voice.startswith("hf://"):
         source = voice
     if source is None:
-        raise ValueError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
+        raise UnknownVoiceError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
     entry = _entry_of(engine)
     lock = entry.voice_lock if entry is not None else threading.Lock()
     with lock:
@@ -401,10 +404,9 @@ class EngineBackend:
 
 def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from the settings given, with this engine's defaults for the rest."""
-    known = {f.name for f in fields(GenerationOptions)}
-    unknown = set(settings) - known
+    unknown = set(settings) - set(option_names())
     if unknown:
-        raise ValueError(f"unknown generation settings: {sorted(unknown)}")
+        raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {
         "chain_frames": engine.config.default_chain_frames,
         # Fixed per engine: the flow head's step count is compiled into its batches.

@@ -103,7 +103,9 @@ async def index(runtime: Runtime, request: Request) -> Response:
 
 
 async def healthz(runtime: Runtime, request: Request) -> Response:
-    """Liveness and what is loaded: 200 when serving, 503 while draining or if unavailable."""
+    """Liveness and what is loaded: 200 when serving; 503 while draining, if unavailable, or if
+    the engine failed (`Engine.health()`: the reason is in "error"), so an orchestrator restarts
+    the process."""
     try:
         engine = await runtime.ready()
     except EngineUnavailableError as e:
@@ -111,8 +113,9 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
     assert runtime.voices is not None
     loaded = engine.loaded
     engine_metrics = engine.metrics()
+    health = engine.health()
     body = {
-        "status": "draining" if runtime.draining else "ok",
+        "status": "draining" if runtime.draining else "ok" if health.ok else "unhealthy",
         "weights": loaded.weights,
         "source": loaded.source,
         "sample_rate": engine.sample_rate,
@@ -125,7 +128,9 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
         "connections": len(runtime.connections),
         "streams": len(runtime.streams),
     }
-    return JSONResponse(body, status_code=503 if runtime.draining else 200)
+    if not health.ok:
+        body["error"] = health.reason
+    return JSONResponse(body, status_code=503 if runtime.draining or not health.ok else 200)
 
 
 async def stats(runtime: Runtime, request: Request) -> Response:

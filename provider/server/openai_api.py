@@ -28,7 +28,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from intone.engine import AudioChunk, EngineFullError
+from intone.engine import (
+    AudioChunk,
+    EmptyTextError,
+    EngineError,
+    EngineFullError,
+    InvalidOptionError,
+    TextTooLongError,
+)
 from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
@@ -170,10 +177,16 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         engine_stream = engine.stream(voice)
     except EngineFullError as e:
         raise ApiError(503, protocol.ErrorCode.SERVER_BUSY, str(e)) from None
+    except UnknownVoiceError as e:
+        raise ApiError(400, protocol.ErrorCode.UNKNOWN_VOICE, str(e), "voice") from None
+    except InvalidOptionError as e:
+        raise ApiError(400, protocol.ErrorCode.BAD_OPTIONS, str(e)) from None
+    except EngineError as e:  # closed or failed
+        raise ApiError(503, protocol.ErrorCode.ENGINE_ERROR, str(e)) from None
     try:
         engine_stream.push_text(text)
         engine_stream.end_input()
-    except ValueError as e:
+    except (TextTooLongError, EmptyTextError) as e:
         engine_stream.cancel()
         raise ApiError(400, protocol.ErrorCode.BAD_TEXT, str(e), "input") from None
 

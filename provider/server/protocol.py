@@ -1,7 +1,8 @@
 """The WebSocket streaming protocol: message parsing, events and the binary audio header.
 
 Shared by the server and `intone.provider.client`, so it imports nothing heavier than the
-standard library. docs/protocol.md is the reference; this module is its executable form.
+standard library (and the engine's standard-library-only options module). docs/protocol.md is
+the reference; this module is its executable form.
 
 Binary frames carry one chunk of PCM for one stream:
 
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from intone.engine.options import option_names, option_type
+
 PROTOCOL_VERSION = 1
 WS_PATH = "/v1/stream"
 
@@ -33,15 +36,12 @@ MIN_SAMPLE_RATE = 8_000
 MAX_SAMPLE_RATE = 48_000
 MAX_STREAM_ID_CHARS = 64
 
-# Generation options a client may set per stream (see intone.engine.GenerationOptions).
+# Generation options a client may set per stream: GenerationOptions' fields, less flow_steps,
+# which is fixed per engine.
 OPTION_TYPES: dict[str, tuple[type, ...]] = {
-    "temperature": (int, float),
-    "eos_threshold": (int, float),
-    "frames_after_eos": (int,),
-    "max_frames": (int,),
-    "noise_clamp": (int, float),
-    "seed": (int,),
-    "chain_frames": (int,),
+    name: (int,) if option_type(name) is int else (int, float)
+    for name in option_names()
+    if name != "flow_steps"
 }
 
 

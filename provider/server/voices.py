@@ -10,7 +10,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from intone.engine import Engine
+from intone.engine import Engine, UnknownVoiceError
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +21,6 @@ OPENAI_VOICES = (
     "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable",
     "marin", "nova", "onyx", "sage", "shimmer", "verse",
 )  # fmt: skip
-
-
-class UnknownVoiceError(ValueError):
-    pass
 
 
 def voice_files(directory: str | Path) -> dict[str, Path]:

@@ -22,7 +22,18 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from intone.engine import AudioChunk, ClauseDone, Engine, EngineFullError, GenerationOptions
+from intone.engine import (
+    AudioChunk,
+    ClauseDone,
+    EmptyTextError,
+    Engine,
+    EngineError,
+    EngineFullError,
+    GenerationOptions,
+    InvalidOptionError,
+    StreamClosedError,
+    TextTooLongError,
+)
 from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.logs import bind
@@ -259,8 +270,7 @@ class Connection:
             options = GenerationOptions(
                 **{"chain_frames": engine.config.default_chain_frames, **message.options}
             )
-            options.validate()
-        except (TypeError, ValueError) as e:
+        except InvalidOptionError as e:
             raise refuse(ErrorCode.BAD_OPTIONS, str(e)) from None
         self._reserved.add(sid)
         try:
@@ -274,8 +284,12 @@ class Connection:
                 engine_stream = engine.stream(voice, options)
             except EngineFullError as e:
                 raise refuse(ErrorCode.SERVER_BUSY, str(e)) from None
-            except ValueError as e:
+            except UnknownVoiceError as e:
+                raise refuse(ErrorCode.UNKNOWN_VOICE, str(e)) from None
+            except InvalidOptionError as e:
                 raise refuse(ErrorCode.BAD_OPTIONS, str(e)) from None
+            except EngineError as e:  # closed or failed: this engine takes no new stream
+                raise refuse(ErrorCode.ENGINE_ERROR, str(e)) from None
         finally:
             self._reserved.discard(sid)
         stream = WsStream(
@@ -334,9 +348,9 @@ class Connection:
             )
         try:
             stream.engine_stream.push_text(text)
-        except ValueError as e:
+        except TextTooLongError as e:  # over the limit, or a clause too long for the KV pool
             raise refuse(ErrorCode.BAD_TEXT, str(e)) from None
-        except RuntimeError as e:
+        except StreamClosedError as e:
             raise refuse(ErrorCode.STREAM_CLOSED, str(e)) from None
         stream.chars += len(text)
         if stream.first_text_at is None and text.strip():
@@ -349,7 +363,7 @@ class Connection:
             )
         try:
             stream.engine_stream.flush()
-        except ValueError as e:
+        except TextTooLongError as e:
             raise ProtocolError(ErrorCode.BAD_TEXT, str(e), stream.id, cause="flush") from None
 
     def _end(self, stream: WsStream, cause: str) -> None:
@@ -359,11 +373,11 @@ class Connection:
             )
         try:
             stream.engine_stream.end_input()
-        except ValueError as e:
+        except (EmptyTextError, TextTooLongError) as e:
             # Nothing to say: the stream is over, with an error.
             self._finish(stream, "error")
             stream.engine_stream.cancel()
-            code = ErrorCode.EMPTY_TEXT if "no text" in str(e) else ErrorCode.BAD_TEXT
+            code = ErrorCode.EMPTY_TEXT if isinstance(e, EmptyTextError) else ErrorCode.BAD_TEXT
             raise ProtocolError(code, str(e), stream.id, final=True, cause=cause) from None
         stream.input_ended = True
 
@@ -392,7 +406,7 @@ class Connection:
         except Exception as e:  # EngineError, or a bug: either way this stream is over
             if stream.finished:
                 return
-            stream.log.error("stream failed: %s", e, exc_info=not _is_engine_error(e))
+            stream.log.error("stream failed: %s", e, exc_info=not isinstance(e, EngineError))
             self._finish(stream, "error")
             stream.engine_stream.cancel()
             self._error(ErrorCode.ENGINE_ERROR, f"generation failed: {e}", stream.id, final=True)
@@ -512,12 +526,6 @@ async def websocket_endpoint(websocket: WebSocket, runtime: Runtime) -> None:
 def _client(websocket: WebSocket) -> str:
     client = websocket.client
     return f"{client.host}:{client.port}" if client else "?"
-
-
-def _is_engine_error(error: Exception) -> bool:
-    from intone.engine import EngineError
-
-    return isinstance(error, EngineError)
 
 
 def _rounded(metrics: dict[str, Any]) -> dict[str, Any]:
