@@ -354,6 +354,19 @@ async def test_bad_option_values_never_reach_a_step(make_engine, name: str) -> N
     assert engine.metrics()["queued_requests"] == 0
 
 
+async def test_a_chaining_tail_too_big_for_the_pool_is_refused_at_stream(make_engine) -> None:
+    engine = make_engine(second_voice=False, page_size=16)
+    floor = voice_pages(engine)
+    engine.close()
+    # Two pages beyond the voice: a 32-frame tail (plus a token and a frame) cannot fit.
+    engine = make_engine(second_voice=False, page_size=16, num_pages=floor + 2)
+    with pytest.raises(InvalidOptionError, match="chain_frames"):
+        engine.stream(None, options(1, chain_frames=32))
+    assert engine.metrics()["queued_requests"] == 0
+    stream = engine.stream(None, options(1, chain_frames=0, max_frames=4))
+    stream.cancel()
+
+
 @pytest.fixture
 def option_engine(make_engine):
     """One engine for every example of the property test below."""
