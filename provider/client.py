@@ -23,8 +23,11 @@ Usage::
 
 API summary:
 
-* `IntoneClient(url, *, open_timeout=10.0)`: `await connect()` / `await close()` or
-  `async with`. `hello` is the server's greeting (model sample rate, voices, limits).
+* `IntoneClient(url, *, api_key=None, open_timeout=10.0)`: `await connect()` / `await close()`
+  or `async with`. `api_key` (default: the `INTONE_API_KEY` environment variable) is sent as
+  `Authorization: Bearer`; a server that refuses it raises `IntoneError` with code
+  "unauthorized" from `connect()`. `hello` is the server's greeting (`protocol.HelloEvent`:
+  model, version, sample rate, voices, limits).
   `await stream(voice=None, sample_rate=None, format="pcm_s16le", options=None, text=None,
   end=False)` starts a stream and returns once the server has accepted it (raises `IntoneError`
   with `.code`, e.g. "unknown_voice", if not). `await synthesize(text, ...) -> bytes`.
@@ -49,6 +52,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -266,8 +270,9 @@ class ClientStream:
 class IntoneClient:
     """A connection to an intone server carrying any number of concurrent streams."""
 
-    def __init__(self, url: str, *, open_timeout: float = 10.0):
+    def __init__(self, url: str, *, api_key: str | None = None, open_timeout: float = 10.0):
         self.url = ws_url(url)
+        self.api_key = api_key if api_key is not None else os.environ.get("INTONE_API_KEY")
         self.open_timeout = open_timeout
         self.hello: protocol.HelloEvent | None = None
         self.errors: list[protocol.ErrorEvent] = []  # connection-level error events
@@ -287,8 +292,13 @@ class IntoneClient:
 
     async def connect(self) -> None:
         # Audio barely compresses and deflate costs latency: no permessage-deflate.
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         self._ws = await connect(
-            self.url, open_timeout=self.open_timeout, compression=None, max_size=2**24
+            self.url,
+            open_timeout=self.open_timeout,
+            compression=None,
+            max_size=2**24,
+            additional_headers=headers,
         )
         try:
             raw = await asyncio.wait_for(self._ws.recv(), self.open_timeout)
