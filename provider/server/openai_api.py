@@ -117,11 +117,26 @@ def header_value(value: str) -> str:
 class HttpStream:
     """An HTTP synthesis in flight, as the runtime's drain and watchdog see it."""
 
-    def __init__(self, request_id: str, engine_stream: EngineStream):
+    def __init__(self, request_id: str, engine_stream: EngineStream, runtime: Runtime, tenant: str):
         self.request_id = request_id
         self.engine_stream = engine_stream
+        self.runtime = runtime
+        self.tenant = tenant
         self.started_at = time.perf_counter()
         self.cut: str | None = None  # why the server ended it early: "shutdown", "timeout"
+        self.released = False
+        runtime.add_stream(self)
+
+    def release(self, outcome: str) -> None:
+        """Once, however the response ended (even if its body never started)."""
+        if self.released:
+            return
+        self.released = True
+        if outcome != "done":
+            self.engine_stream.cancel()  # the client left (or it failed): free engine state
+        self.runtime.remove_stream(self)
+        self.runtime.limits.close_stream(self.tenant)
+        self.runtime.metrics.stream_finished("openai", outcome)
 
     def shutdown(self) -> None:
         self.cut = self.cut or "shutdown"
@@ -213,8 +228,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         runtime.limits.close_stream(tenant)
         raise
 
-    handle = HttpStream(request_id, engine_stream)
-    runtime.add_stream(handle)
+    handle = HttpStream(request_id, engine_stream, runtime, tenant)
     log = log.bind(voice=voice, format=request_.format, stream_format=request_.stream_format)
     if label is not None:
         log = log.bind(key=label)
@@ -227,10 +241,10 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         },
     )
     sse = request_.stream_format == "sse"
-    body_iter = _generate(runtime, handle, engine.sample_rate, request_, sse, tokens, log, tenant)
+    body_iter = _generate(runtime, handle, engine.sample_rate, request_, sse, tokens, log)
     return _GuardedStreamingResponse(
         body_iter,
-        runtime,
+        handle,
         media_type="text/event-stream" if sse else CONTENT_TYPES[request_.format],
         headers=headers,
     )
@@ -331,7 +345,6 @@ async def _generate(
     sse: bool,
     input_tokens: int,
     log: Any,
-    tenant: str,
 ) -> AsyncIterator[bytes]:
     """The response body; cancels the engine stream if the client goes away."""
     resampler = StreamResampler(model_rate, request.sample_rate)
@@ -389,11 +402,7 @@ async def _generate(
             return
         raise _Truncated("error") from e  # raw audio can only say so by breaking the response
     finally:
-        if outcome != "done":
-            handle.engine_stream.cancel()  # the client left (or failed): release engine state
-        runtime.remove_stream(handle)
-        runtime.limits.close_stream(tenant)
-        runtime.metrics.stream_finished("openai", outcome)
+        handle.release(outcome)
         if outcome == "disconnected":
             log.info("speech client disconnected")
 
@@ -405,12 +414,12 @@ class _GuardedStreamingResponse(StreamingResponse):
     the final chunk: the server then closes the connection and the client sees a cut response;
     (4) releases the request's connection slot."""
 
-    def __init__(self, content: Any, runtime: Runtime, **kwargs: Any):
+    def __init__(self, content: Any, handle: HttpStream, **kwargs: Any):
         super().__init__(content, **kwargs)
-        self.runtime = runtime
+        self.handle = handle
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        runtime = self.runtime
+        runtime = self.handle.runtime
         timeout = runtime.settings.slow_client_timeout
 
         async def guarded_send(message: Any) -> None:
@@ -427,6 +436,7 @@ class _GuardedStreamingResponse(StreamingResponse):
             pass  # the final chunk was never sent: uvicorn closes the connection
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.handle.release("disconnected")  # if the body never started
             runtime.limits.close_connection()
 
 
