@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-streams-per-connection", type=int, default=32)
     serve.add_argument("--max-message-bytes", type=int, default=64 * 1024)
     serve.add_argument("--max-request-bytes", type=int, default=256 * 1024)
+    serve.add_argument("--max-text-chars", type=int, default=20_000, help="text per stream")
     serve.add_argument("--header-timeout", type=float, default=10.0, metavar="S")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S")
     serve.add_argument("--ws-idle-timeout", type=float, default=300.0, metavar="S")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -30,7 +31,7 @@ from test_server_support import (
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from intone.provider.client import IntoneClient
+from intone.provider.client import IntoneClient, IntoneError
 from intone.provider.server.protocol import STREAM_OPTIONS
 
 BIG = "__5000_digits__"  # replaced by a 5000-digit integer literal (json.dumps cannot write one)
@@ -316,4 +317,40 @@ async def test_a_thousand_connections_are_served_or_refused(tiny_checkpoint):
         assert not failed, failed[:5]
         assert len(outcomes) == 1000 and outcomes.count("served") >= 100, outcomes
         await wait_server_streams(server.url, 0)
+        await wait_engine_idle(engine, pages)
+
+
+# ---- playback-paced generation
+
+
+async def test_playback_reports_pace_the_stream(tiny_checkpoint):
+    settings_ = dict(max_buffered_audio=1.0, slow_client_timeout=1.5)
+    with running_server(tiny_checkpoint, **settings_) as (server, engine):
+        pages = idle_pages(engine)
+        async with IntoneClient(server.url) as client:
+            options = {"eos_threshold": 1e9, "max_frames": 100}  # minutes of audio
+            stream = await client.stream(format="pcm_f32le", options=options)
+            await stream.push_text(LONG_TEXT[:300])
+            await stream.playback(0.0)  # nothing played yet: at most 1 s ahead
+            received = 0.0
+
+            async def take(seconds: float) -> None:
+                nonlocal received
+                with contextlib.suppress(asyncio.TimeoutError):
+                    async with asyncio.timeout(seconds):
+                        async for pcm in stream:
+                            received += len(pcm) / 4 / stream.sample_rate
+
+            await take(1.0)
+            frame = 0.08
+            assert 0 < received <= 1.0 + 2 * frame, received
+            await stream.playback(2.0)
+            await take(1.0)
+            assert 2.0 < received <= 3.0 + 2 * frame, received
+            # No further report: the server gives up on the stream after the slow-client
+            # timeout, with a final error.
+            with pytest.raises(IntoneError) as info:
+                async for _ in stream:
+                    pass
+            assert info.value.code == "slow_client"
         await wait_engine_idle(engine, pages)

@@ -25,7 +25,7 @@ from websockets.exceptions import ConnectionClosed
 
 from intone.provider.client import IntoneClient, IntoneError
 from intone.provider.server.access import Access, websocket_key
-from intone.provider.server.logs import ClientErrorLog, KeyValueFormatter
+from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
 from intone.provider.server.protocol import SUBPROTOCOL, CloseCode
 
 KEYS = ("alpha-key-1", "beta-key-2")
@@ -293,6 +293,19 @@ def test_log_lines_escape_control_characters():
     line = KeyValueFormatter().format(record)
     assert "\n" not in line and "\r" not in line and "\x1b" not in line
     assert "a\\nb" in line and "s\\r\\nforged=1" in line
+
+
+def test_uvicorn_lines_about_client_mistakes_are_rate_limited():
+    mistakes = ClientMistakeFilter(ClientErrorLog(per_second=1.0, burst=2))
+
+    def access(status: int) -> logging.LogRecord:
+        args = ("1.2.3.4:5", "GET", "/x", "1.1", status)
+        line = '%s "%s %s HTTP/%s" %d'
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, line, args, None)
+
+    assert all(mistakes.filter(access(200)) for _ in range(10))  # not mistakes: all kept
+    kept = [mistakes.filter(access(400)) for _ in range(10)]
+    assert kept == [True, True] + [False] * 8
 
 
 def test_client_error_log_is_rate_limited():

@@ -108,9 +108,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class ClientMistakeFilter(logging.Filter):
+    """Holds uvicorn's lines about client mistakes (4xx access lines, its warnings about
+    malformed requests) to the client-error budget."""
+
+    def __init__(self, budget: ClientErrorLog):
+        super().__init__()
+        self.budget = budget
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.access":
+            args = record.args if isinstance(record.args, tuple) else ()
+            status = args[-1] if args else None
+            mistake = isinstance(status, int) and 400 <= status < 500
+        else:
+            mistake = record.name == "uvicorn.error" and record.levelno == logging.WARNING
+        if not mistake:
+            return True
+        dropped = self.budget.allow()
+        if dropped:
+            record.suppressed = dropped
+        return dropped is not None
+
+
 def configure_logging(level: int = logging.INFO, json_lines: bool = False) -> None:
     """Root logging for `intone serve`; uvicorn's loggers propagate to it."""
     handler = logging.StreamHandler()
+    handler.addFilter(ClientMistakeFilter(ClientErrorLog()))
     handler.setFormatter(JsonFormatter() if json_lines else KeyValueFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):

@@ -151,6 +151,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_active=args.max_active,
             max_queued=args.max_queued,
             kv_memory_mb=args.kv_memory_mb,
+            max_text_chars=args.max_text_chars,
         ),
         settings=ServerSettings(
             api_keys=tuple(keys),
