@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions, plan_clause
 from intone.engine.voices import Voice
 
@@ -73,10 +73,7 @@ class ClauseGenerator:
             parts.insert(0, chain_embeddings(loaded, tail))
         prompt = torch.cat(parts)
         capacity = voice.length + prompt.shape[0] + plan.max_frames
-        tf = self.flow_lm.transformer
-        self.pool = KVPool(
-            len(tf.layers), capacity, tf.num_heads, tf.head_dim, dtype=tf.dtype, device=model.device
-        )
+        self.pool = self.flow_lm.new_kv_pool(capacity, device=model.device)
         self.pool.write(torch.arange(voice.length, device=model.device), voice.keys, voice.values)
         self.slots = torch.arange(capacity)
         self.length = voice.length + prompt.shape[0]
