@@ -8,7 +8,6 @@ step free of data-dependent Python, the precondition for replaying it as a CUDA 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
@@ -46,7 +45,7 @@ class ModelRunner:
         text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
         if tail is None or not tail.shape[0]:
             return text
-        voice_like = F.linear(self.flow_lm.denormalize(tail), self.flow_lm.speaker_proj_weight)
+        voice_like = self.model.latents_as_voice(tail)
         return torch.cat([voice_like, text])
 
     def copy_page(self, source: int, target: int, count: int) -> None:
