@@ -9,6 +9,8 @@ model). Torch-free, so that command lines and servers can list models without lo
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
@@ -37,9 +39,14 @@ LANGUAGES = {
 }
 
 
+@functools.cache
+def _release_names() -> tuple[str, ...]:
+    return tuple(sorted(path.stem for path in CONFIGS_DIR.glob("*.yaml")))
+
+
 def release_names() -> list[str]:
     """Every packaged release, by its reference name."""
-    return sorted(path.stem for path in CONFIGS_DIR.glob("*.yaml"))
+    return list(_release_names())
 
 
 def language_of(name: str) -> str:
@@ -54,7 +61,7 @@ def release_name(model: str) -> str | None:
     """The release a model name, alias or language code means, or None if it names none."""
     model = ALIASES.get(model, model)
     model = LANGUAGE_MODELS.get(model.lower(), model)
-    return model if (CONFIGS_DIR / f"{model}.yaml").is_file() else None
+    return model if model in release_names() else None
 
 
 def config_path(name: str) -> Path:
@@ -65,3 +72,48 @@ def config_path(name: str) -> Path:
 def known_names() -> list[str]:
     """Everything `release_name` accepts, for error messages."""
     return release_names() + sorted(ALIASES) + sorted(LANGUAGE_MODELS)
+
+
+def language_shortcuts(name: str) -> list[str]:
+    """The language codes and aliases that mean release `name`."""
+    codes = [code for code, release in LANGUAGE_MODELS.items() if release == name]
+    return codes + [alias for alias, release in ALIASES.items() if release == name]
+
+
+@dataclass(frozen=True)
+class ReleaseInfo:
+    name: str
+    language: str
+    # Parameters that generation uses: the FlowLM and the Mimi decoder, not the voice encoder.
+    parameters: int
+    # The weights with the Mimi encoder (voice cloning from audio) are gated on the Hub; without
+    # them a voice must be a predefined voice state.
+    cloning_gated: bool
+    shortcuts: list[str]
+
+
+def release_table() -> list[ReleaseInfo]:
+    """Every release with its language and parameter count (counted on the meta device)."""
+    import torch
+
+    from intone.engine.models.pocket.config import load_config
+    from intone.engine.models.pocket.model import ENCODER_PREFIXES, PocketTTS
+
+    table = []
+    for name in release_names():
+        config = load_config(config_path(name))
+        with torch.device("meta"):
+            model = PocketTTS(config)
+        parameters = sum(
+            p.numel() for key, p in model.named_parameters() if not key.startswith(ENCODER_PREFIXES)
+        )
+        table.append(
+            ReleaseInfo(
+                name,
+                language_of(name),
+                parameters,
+                config.weights_path_without_voice_cloning is not None,
+                language_shortcuts(name),
+            )
+        )
+    return table
