@@ -103,9 +103,11 @@ def test_tiny_family_equals_reference(
         ("tiny-small", "Le garçon ✓ est là."),
         # tokenizers: it decodes to "<unk>".
         ("tiny-standard", "Un crochet ✓ et 字 ici."),
+        # Fewer than five words: english_2026-01 pads the prompt with spaces.
+        ("tiny-2026-01", "Hi there, you"),
     ],
 )
-def test_out_of_vocabulary_characters_equal_reference(
+def test_out_of_vocabulary_and_short_texts_equal_reference(
     preset: str,
     text: str,
     family_checkpoints: dict[str, Path],
