@@ -155,9 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
-        "model; if it can't be had, a generated random-weight checkpoint, with a warning)",
+        help="released model name (`intone models`: english, fr, english_2m_2026-10, ...), "
+        "checkpoint dir, config .yaml or hf:// path (default: the released English model; if it "
+        "can't be had, a generated random-weight checkpoint, with a warning). Repeat to serve "
+        "several models, one engine each; the first is the default, requests pick one by name "
+        "or alias",
     )
     serve.add_argument(
         "--voices", type=Path, default=None, help="directory of voice prompts "

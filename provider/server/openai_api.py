@@ -3,8 +3,12 @@
 Clients written for OpenAI's speech API (the `openai` package, LiveKit's and Pipecat's OpenAI
 TTS plugins) work unchanged with `base_url=http://HOST:PORT/v1`. What the fields mean here:
 
-* `model`: accepted and not checked. The server runs one checkpoint (see /healthz); the value is
-  only logged and echoed in the `x-intone-model` header.
+* `model`: which served model speaks (`GET /v1/models` lists them), by name or alias (`english`,
+  `fr`, `english_2m_2026-10`, ...). Missing, or one of OpenAI's names (tts-1, tts-1-hd,
+  gpt-4o-mini-tts): the default model. A model or language it does not serve: 400
+  `unknown_model`, naming the served ones (a server of one model takes names that mean no
+  model intone knows, as OpenAI clients send their own ids). The served model's name comes back
+  in the `x-intone-model` header.
 * `voice`: a registry voice name, an alias, one of OpenAI's names (mapped onto the registry, see
   voices.py), or `{"id": name}`. Missing: the default voice.
 * `response_format`: pcm (24 kHz 16-bit mono, no header), wav (same, streamed with unknown
@@ -30,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from intone.engine import AudioChunk, EngineFullError
 from intone.engine import Stream as EngineStream
+from intone.engine.errors import UnknownModelError
 from intone.provider.server import protocol
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
 from intone.provider.server.logs import bind
@@ -94,14 +99,40 @@ async def speech(request: Request, runtime: Runtime) -> Response:
         return e.response(request_id)
 
 
+async def models(request: Request, runtime: Runtime) -> Response:
+    """`GET /v1/models`, as OpenAI lists models, with intone's details on each: its aliases
+    (what `model` may also say), language, voices and default voice. The first is the default."""
+    try:
+        await runtime.ready()
+    except EngineUnavailableError as e:
+        return JSONResponse(
+            {"error": {"message": str(e), "type": "engine_unavailable"}}, status_code=503
+        )
+    data = [
+        {"id": served.name, "object": "model", "created": 0, "owned_by": "intone"}
+        | served.describe()
+        for served in runtime.models
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
 async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any) -> Response:
     try:
-        engine = await runtime.ready()
+        await runtime.ready()
     except EngineUnavailableError as e:
         raise ApiError(503, "engine_unavailable", str(e)) from None
     if runtime.draining:
         raise ApiError(503, protocol.ErrorCode.SHUTTING_DOWN, "the server is shutting down")
     body = await _read_json(request, runtime.settings.max_request_bytes)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "bad_message", "'model' must be a string", "model")
+    try:
+        served = runtime.select(model)
+    except UnknownModelError as e:
+        raise ApiError(400, protocol.ErrorCode.UNKNOWN_MODEL, str(e), "model") from None
+    engine = served.engine
+    assert engine is not None and served.voices is not None
 
     text = body.get("input")
     if not isinstance(text, str):
@@ -115,9 +146,6 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
             f"'input' is over the limit of {engine.config.max_text_chars} characters",
             "input",
         )
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "bad_message", "'model' must be a string", "model")
     fmt = body.get("response_format") or "mp3"
     if fmt not in FORMATS:
         raise ApiError(
@@ -159,9 +187,8 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         raise ApiError(
             400, protocol.ErrorCode.UNKNOWN_VOICE, "'voice' must be a name or {id}", "voice"
         )
-    assert runtime.voices is not None
     try:
-        voice = await runtime.voices.resolve(requested)
+        voice = await served.voices.resolve(requested)
     except UnknownVoiceError as e:
         raise ApiError(400, protocol.ErrorCode.UNKNOWN_VOICE, str(e), "voice") from None
 
@@ -179,7 +206,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
 
     handle = HttpStream(request_id, engine_stream)
     runtime.add_stream(handle)
-    log = log.bind(voice=voice, format=fmt, stream_format=stream_format, model=model)
+    log = log.bind(voice=voice, format=fmt, stream_format=stream_format, model=served.name)
     log.info("speech request", extra={"chars": len(text), "engine_request": engine_stream.id})
     sse = stream_format == "sse"
     body_iter = _generate(runtime, handle, engine.sample_rate, rate, fmt, sse, tokens, log)
@@ -188,7 +215,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         media_type="text/event-stream" if sse else CONTENT_TYPES[fmt],
         headers={
             "x-request-id": request_id,
-            "x-intone-model": model or "",
+            "x-intone-model": served.name,
             "x-intone-voice": voice,
             "cache-control": "no-cache",
         },

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServeOptions:
-    model: str | None = None
+    # One engine per model; the first is the default. None or []: the released default model.
+    model: str | list[str] | None = None
     voices_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -38,10 +39,15 @@ def serve(options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, drain, release the engine; returns normally (exit status 0)."""
     configure_logging(options.log_level, options.log_json)
     options.settings.validate()
-    loaded = load_serving_model(options.model, fallback_preset=options.fallback_preset)
-    engine = Engine(loaded, options.engine_config).start()
+    specs: list[str | None] = (
+        list(options.model) if isinstance(options.model, list) else [options.model]
+    ) or [None]
+    engines: list[Engine] = []
     try:
-        app = create_app(engine, voices_dir=options.voices_dir, settings=options.settings)
+        for spec in specs:
+            loaded = load_serving_model(spec, fallback_preset=options.fallback_preset)
+            engines.append(Engine(loaded, options.engine_config).start())
+        app = create_app(engines, voices_dir=options.voices_dir, settings=options.settings)
         config = uvicorn.Config(
             app,
             host=options.host,
@@ -57,7 +63,8 @@ def serve(options: ServeOptions) -> None:
         server = DrainingServer(config, app.state.intone, options.settings.drain_timeout)
         asyncio.run(_run(server))
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()
         logger.info("engine released; bye")
 
 
@@ -79,7 +86,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             raise ValueError(f"--voice-alias expects NAME=VOICE, got {item!r}")
         aliases[name] = voice
     return ServeOptions(
-        model=args.model,
+        # One --model stays a plain value, as before several were allowed.
+        model=args.model[0] if args.model and len(args.model) == 1 else args.model,
         voices_dir=args.voices,
         host=args.host,
         port=args.port,

@@ -154,6 +154,7 @@ class Connection:
             version=self.runtime.version,
             sample_rate=engine.sample_rate,
             voices=self.runtime.voices.known(),
+            models=[served.describe() for served in self.runtime.models],
             default_voice=engine.default_voice,
             weights=engine.loaded.weights,
             limits=protocol.Limits(
@@ -260,11 +261,12 @@ class Connection:
             )
         if message.end and not (message.text or "").strip():
             raise refuse(ErrorCode.EMPTY_TEXT, "a one-shot start (end: true) needs text")
-        engine = self.engine
-        assert engine is not None and self.runtime.voices is not None
         self._reserved.add(sid)
         try:
             try:
+                served = self.runtime.select(message.model)
+                engine = served.engine
+                assert engine is not None and served.voices is not None
                 options = GenerationOptions(
                     **{
                         "chain_frames": engine.config.default_chain_frames,
@@ -272,7 +274,7 @@ class Connection:
                         **message.options,
                     }
                 )
-                voice = await self.runtime.voices.resolve(message.voice)
+                voice = await served.voices.resolve(message.voice)
                 if self._closed.is_set():
                     return
                 engine_stream = engine.stream(voice, options)
