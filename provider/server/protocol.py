@@ -474,6 +474,7 @@ class StartedEvent:
     voice: str  # the registry voice used
     sample_rate: int
     format: str
+    model: str | None = None  # the served model's name
 
     TYPE: ClassVar[str] = "started"
 

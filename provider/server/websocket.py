@@ -296,13 +296,20 @@ class Connection:
         self.runtime.add_stream(stream)
         self._send_event(
             protocol.StartedEvent(
-                sid, stream.channel, stream.request_id, voice, stream.sample_rate, stream.format
+                sid,
+                stream.channel,
+                stream.request_id,
+                voice,
+                stream.sample_rate,
+                stream.format,
+                served.name,
             )
         )
         stream.log.info(
             "stream started",
             extra={
                 "voice": voice,
+                "model": served.name,
                 "sample_rate": stream.sample_rate,
                 "engine_request": engine_stream.id,
             },
