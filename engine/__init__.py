@@ -28,6 +28,7 @@ _EXPORTS = {
     "Stream": "intone.engine.stream",
     "StreamClosedError": "intone.engine.errors",
     "TextTooLongError": "intone.engine.errors",
+    "UnknownModelError": "intone.engine.errors",
     "UnknownVoiceError": "intone.engine.errors",
     "load_model": "intone.engine.loading",
 }
@@ -51,6 +52,7 @@ __all__ = [
     "Stream",
     "StreamClosedError",
     "TextTooLongError",
+    "UnknownModelError",
     "UnknownVoiceError",
     "load_model",
 ]
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
         InvalidOptionError,
         StreamClosedError,
         TextTooLongError,
+        UnknownModelError,
         UnknownVoiceError,
     )
     from intone.engine.events import AudioChunk, ClauseDone

@@ -18,7 +18,7 @@ import torch
 
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions, plan_clause
 from intone.engine.voices import Voice
 
@@ -63,13 +63,10 @@ class ClauseGenerator:
         )
         parts = [self.flow_lm.embed_text(torch.tensor(plan.tokens, device=model.device))]
         if tail is not None and tail.shape[0]:
-            parts.insert(0, self.flow_lm.embed_tail(tail))
+            parts.insert(0, model.latents_as_voice(tail))
         prompt = torch.cat(parts)
         capacity = voice.length + prompt.shape[0] + plan.max_frames
-        tf = self.flow_lm.transformer
-        self.pool = KVPool(
-            len(tf.layers), capacity, tf.num_heads, tf.head_dim, dtype=tf.dtype, device=model.device
-        )
+        self.pool = self.flow_lm.new_kv_pool(capacity, device=model.device)
         self.pool.write(torch.arange(voice.length, device=model.device), voice.keys, voice.values)
         self.slots = torch.arange(capacity)
         self.length = voice.length + prompt.shape[0]

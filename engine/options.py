@@ -63,13 +63,6 @@ def option_names() -> list[str]:
     return [f.name for f in fields(GenerationOptions)]
 
 
-def option_type(name: str) -> type:
-    """int for options that take whole numbers, float for the others (which take ints too)."""
-    if name not in _BOUNDS:
-        raise InvalidOptionError(f"unknown option {name!r}; known options: {option_names()}")
-    return int if name in _INTEGERS else float
-
-
 def check_option(name: str, value: object) -> None:
     """Refuse a value of the wrong type, NaN, infinity or out of its field's range."""
     if value is None and name not in ("flow_steps", "chain_frames"):
@@ -121,10 +114,9 @@ class ClauseProgress:
 
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
     # Imported here: the rest of this module is imported by clients with no tokenizer installed.
-    from intone.engine.text import max_gen_len, prepare_text
+    from intone.engine.text import max_gen_len, prompt_tokens
 
-    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
-    tokens = loaded.tokenizer.encode(text)
+    tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
     frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
     if options.max_frames is not None:
         frames = min(frames, options.max_frames)

@@ -427,7 +427,7 @@ def test_option_lists_derive_from_generation_options() -> None:
     from intone.provider.server import protocol
 
     names = [name for name in option_names() if name != "flow_steps"]  # fixed per engine
-    assert list(protocol.OPTION_TYPES) == names
+    assert list(protocol.STREAM_OPTIONS) == names
     assert list(pipecat.GENERATION_FIELDS) == names
     assert set(names) <= set(inspect.signature(livekit_intone.TTS.__init__).parameters)
     assert set(names) <= set(inspect.signature(livekit_intone.TTS.update_options).parameters)

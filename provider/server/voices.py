@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from intone.engine import Engine, UnknownVoiceError
+from intone.provider.server.protocol import echo
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class VoiceResolver:
         if name in self.engine.loaded.voices:
             await self._load_checkpoint_voice(name)
             return name
-        raise UnknownVoiceError(f"unknown voice {requested!r}; known voices: {self.known()}")
+        raise UnknownVoiceError(f"unknown voice {echo(requested)}; known voices: {self.known()}")
 
     async def _load_checkpoint_voice(self, name: str) -> None:
         """A voice the checkpoint names but the engine has not loaded yet (e.g. the released
