@@ -23,8 +23,9 @@ import itertools
 import logging
 import os
 import threading
-from collections import deque
+import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -32,13 +33,20 @@ import numpy as np
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.decoder_worker import ClauseEndItem, DecoderWorker, FinishItem, LatentItem
+from intone.engine.decoder_worker import (
+    ClauseEndItem,
+    DecoderWorker,
+    FinishItem,
+    LatentItem,
+    ParkItem,
+)
 from intone.engine.errors import (
     EmptyTextError,
     EngineClosedError,
     EngineError,
     EngineFailedError,
     EngineFullError,
+    IdleTimeoutError,
     InvalidOptionError,
     TextTooLongError,
     UnknownVoiceError,
@@ -70,6 +78,10 @@ logger = logging.getLogger(__name__)
 
 State = Literal["new", "running", "closing", "closed", "failed"]
 
+# How often the AR thread looks again while pacing holds a stream back: playback and reading
+# move on without telling it.
+PACING_POLL_S = 0.02
+
 
 @dataclass(frozen=True)
 class Health:
@@ -95,8 +107,21 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
-    max_active: int = 16  # requests generating at once (AR batch and decoder rows)
-    max_queued: int = 256  # requests waiting for admission
+    max_active: int = 16  # rows: requests generating at once (AR batch and decoder rows)
+    max_queued: int = 256  # requests with text waiting for a row
+    # Open streams. One with no text pending holds no row and no queue place, only this.
+    max_streams: int = 1024
+    # A stream with no text pushed and no audio pending or in flight for this long ends with
+    # IdleTimeoutError; None disables it. The server sets its own (30 s by default).
+    idle_timeout_s: float | None = 300.0
+    # Playback pacing: a stream more than lead_s seconds of audio ahead of its playback takes
+    # no AR steps until playback catches up. None: as fast as possible (offline rendering).
+    lead_s: float | None = 2.0
+    # A stream whose consumer has this many seconds of audio unread stops generating (it is
+    # not dropped) until the consumer reads; None: unbounded.
+    max_unread_s: float | None = 10.0
+    # Rows one tenant (`Engine.stream(tenant=...)`) may hold; the others are served first.
+    max_rows_per_tenant: int | None = None
     max_prefill_tokens: int = 2048  # positions per packed prefill pass
     max_text_chars: int = 20_000  # per request
     max_frames: int | None = None  # per clause, on top of the model's own estimate
@@ -111,9 +136,15 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, not {self.dtype!r}")
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
-        for name in positive + ("max_decode_frames",):
+        for name in positive + ("max_decode_frames", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
+        if self.max_rows_per_tenant is not None and self.max_rows_per_tenant < 1:
+            raise ValueError("EngineConfig.max_rows_per_tenant must be >= 1 or None")
+        for name in ("idle_timeout_s", "lead_s", "max_unread_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0 or None")
 
 
 class Engine:
@@ -152,19 +183,24 @@ class Engine:
             self.blocks,
             config.max_active,
             config.max_prefill_tokens,
-            config.max_queued,
+            config.max_rows_per_tenant,
         )
         # Guards the scheduler, the block manager, `_open` and the lifecycle state.
         self._lock = threading.Condition()
-        self._delivered: deque[Request] = deque()
         self._ids = itertools.count()
         self._state: State = "new"
         self._failure: str | None = None
         # Requests whose stream has not had its final event yet, whatever stage holds them.
         self._open: dict[str, Request] = {}
         self._ar_thread: threading.Thread | None = None
+        self._frame_seconds = self.model.samples_per_frame / self.sample_rate
+        self._rows_generating = 0
+        self._streams_paced = 0
         self._metrics = EngineMetrics(
             {
+                "streams_open": lambda: len(self._open),
+                "rows_generating": lambda: self._rows_generating,
+                "streams_paced": lambda: self._streams_paced,
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
@@ -172,7 +208,8 @@ class Engine:
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
                 "decoder_queue_depth": lambda: self.decoder.queue.qsize(),
-            }
+            },
+            leads=self._leads,
         )
         self.decoder = DecoderWorker(
             self.runner,
@@ -180,7 +217,7 @@ class Engine:
             self.sample_rate,
             max_batch=config.max_active,
             max_frames_per_call=config.max_decode_frames,
-            on_clause_delivered=self._clause_delivered,
+            on_released=self._decoder_released,
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
@@ -319,9 +356,18 @@ class Engine:
 
     # ---- requests
 
-    def stream(self, voice: str | None = None, options: GenerationOptions | None = None) -> Stream:
+    def stream(
+        self,
+        voice: str | None = None,
+        options: GenerationOptions | None = None,
+        tenant: str | None = None,
+    ) -> Stream:
         """A new text stream. Raises at once: InvalidOptionError, UnknownVoiceError,
-        EngineFullError (retryable), EngineClosedError, EngineFailedError."""
+        EngineFullError (retryable), EngineClosedError, EngineFailedError.
+
+        `tenant`: who the stream is for (a caller, an API key); with
+        `EngineConfig.max_rows_per_tenant`, one tenant's streams hold at most that many rows
+        while others wait."""
         if options is None:
             options = GenerationOptions(chain_frames=self.config.default_chain_frames)
         else:
@@ -351,6 +397,7 @@ class Engine:
             generator=make_generator(options.seed),
             metrics=RequestMetrics(submitted_at=now(), sample_rate=self.sample_rate),
             options=options,
+            tenant=tenant,
         )
         splitter = ClauseSplitter(
             self.loaded.tokenizer,
@@ -372,6 +419,10 @@ class Engine:
                 raise InvalidOptionError(
                     f"chain_frames={options.chain_frames} does not fit in this engine's KV pool"
                 )
+            if len(self._open) >= self.config.max_streams:
+                raise EngineFullError(f"{self.config.max_streams} streams already open")
+            if len(self.scheduler.waiting) >= self.config.max_queued:
+                raise EngineFullError(f"{self.config.max_queued} requests already queued")
             self.scheduler.add(request)
             self._open[request.id] = request
         return stream
@@ -432,14 +483,22 @@ class Engine:
         with self._lock:
             request.pending.extend(clauses)
             request.input_ended |= end
+            request.last_text_at = now()
             if request.metrics.clauses == 0 and clauses:
                 request.metrics.submitted_at = now()
             request.metrics.clauses += len(clauses)
+            if request.pending:
+                self.scheduler.ready(request)
             self._lock.notify_all()
 
     def cancel(self, request: Request) -> None:
         with self._lock:
             request.cancelled = True
+            self._lock.notify_all()
+
+    def wake(self) -> None:
+        """Something pacing depends on changed (a playback report, audio read): look again."""
+        with self._lock:
             self._lock.notify_all()
 
     # ---- metrics
@@ -469,40 +528,86 @@ class Engine:
             self._fail("the AR thread stopped", None)
 
     def _ar_loop(self) -> None:
+        last = now()
         while True:
             with self._lock:
                 while True:
                     if self._state != "running":
                         self._release_all()
                         return
-                    self._handle_deliveries()
-                    self._retire_requests()
-                    batch = self.scheduler.schedule()
+                    t = now()
+                    self._retire_requests(t)
+                    held = sum(self._held(r, t) for r in self.scheduler.running)
+                    self._metrics_paced(held, t - last)
+                    last = t
+                    batch = self.scheduler.schedule(
+                        partial(self._held, t=t), partial(self._lead, t=t)
+                    )
+                    for request in batch.parked:
+                        self.decoder.put(ParkItem(request))
                     for request, error in batch.failed:
                         self._finish(request, error=failed("starting a clause", error))
                     if batch.prefill or batch.generate:
                         break
-                    if not batch.failed:
-                        self._lock.wait()
+                    self._rows_generating = 0
+                    if not (batch.failed or batch.parked):
+                        self._lock.wait(self._next_wake(t))
             self._step(batch.prefill, batch.generate)
+
+    def _metrics_paced(self, held: int, elapsed: float) -> None:
+        if self._streams_paced and elapsed > 0:
+            self._metrics.paced(self._streams_paced * elapsed)
+        self._streams_paced = held
+
+    # ---- pacing and idle streams
+
+    def _lead(self, request: Request, t: float) -> float:
+        """Seconds of the request's audio generated ahead of its playback."""
+        return request.frames_generated * self._frame_seconds - request.playback.position(t)
+
+    def _held(self, request: Request, t: float) -> bool:
+        """Pacing holds the request: far ahead of playback, or too much audio unread."""
+        limit = self.config.max_unread_s
+        if limit is not None and request.unread_seconds > limit:
+            return True
+        lead_s = self.config.lead_s
+        return lead_s is not None and self._lead(request, t) > lead_s
+
+    def _leads(self) -> list[float]:
+        t = now()
+        return [self._lead(r, t) for r in list(self.scheduler.running)]
+
+    def _idle_deadline(self, request: Request) -> float | None:
+        """When an idle request times out: no text pending and no audio pending or in flight."""
+        timeout = self.config.idle_timeout_s
+        if (
+            timeout is None
+            or request.pending
+            or request.phase is not Phase.WAITING
+            or request.id not in self.scheduler.idle
+            or request.id in self.scheduler.releasing
+        ):
+            return None
+        return max(request.last_text_at, request.playback.last_delivery_at or 0.0) + timeout
+
+    def _next_wake(self, t: float) -> float | None:
+        """How long the AR thread may sleep: until a held stream may go on (polled, since
+        playback and reading move on their own) or an idle stream times out."""
+        deadlines = [
+            d for r in self.scheduler.idle.values() if (d := self._idle_deadline(r)) is not None
+        ]
+        waits = [max(d - t, 0.0) for d in deadlines]
+        if self._streams_paced:
+            waits.append(PACING_POLL_S)
+        return min(waits) if waits else None
 
     def _release_all(self) -> None:
         """Stopping: every request still scheduled ends with the shutdown error."""
-        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+        for request in self.scheduler.requests:
             self._finish(request, error=self._shutdown_error())
 
-    def _handle_deliveries(self) -> None:
-        """Clauses whose audio the decoder delivered: save the tail and free the pages."""
-        while self._delivered:
-            request = self._delivered.popleft()
-            if request.phase is Phase.DRAINING:
-                if request.chain_frames and request.latents:
-                    request.tail = torch.stack(request.latents[-request.chain_frames :])
-                self.scheduler.end_clause(request)
-                request.phase = Phase.IDLE
-
-    def _retire_requests(self) -> None:
-        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
+    def _retire_requests(self, t: float) -> None:
+        for request in self.scheduler.requests:
             if request.error is not None:
                 self._finish(request, error=request.error)
             elif request.cancelled:
@@ -513,6 +618,15 @@ class Engine:
                 and request.phase in (Phase.IDLE, Phase.WAITING)
             ):
                 self._finish(request)
+            elif (deadline := self._idle_deadline(request)) is not None and t >= deadline:
+                self._metrics.idle_timeout()
+                timeout = self.config.idle_timeout_s
+                self._finish(
+                    request,
+                    error=IdleTimeoutError(
+                        f"no text and no audio for {timeout:g} s (the engine's idle timeout)"
+                    ),
+                )
 
     def _finish(
         self, request: Request, cancelled: bool = False, error: EngineError | None = None
@@ -520,7 +634,8 @@ class Engine:
         """Under the lock: drop the request from scheduling; its stream ends after its audio."""
         if error is None and not cancelled:
             request.metrics.finished_at = now()
-        if self.scheduler.release(request):
+        # A request the decoder has seen ends there, after the audio it still has queued.
+        if self.scheduler.release(request) or request.in_decoder:
             self.decoder.put(FinishItem(request, cancelled, error))
         else:
             self._end(request, error, silent=cancelled)
@@ -540,9 +655,10 @@ class Engine:
                 for request in prefill:
                     assert request.table is not None and request.prompt is not None
                     self.blocks.extend(request.table, request.prompt.shape[0])
+            started = time.perf_counter()
             done, failures = run_rows(self.runner.prefill, prefill)
+            self._metrics.step("prefill", len(prefill), time.perf_counter() - started)
             self._fail_rows("prefill", failures)
-            self._metrics.batch("prefill", len(prefill))
             nan = torch.full((self.model.flow_lm.latent_dim,), float("nan"), device=self.device)
             for request in done:
                 request.prompt = None
@@ -571,27 +687,47 @@ class Engine:
             latents, eos = self.runner.generate(batch, [noise_of[r.id] for r in batch])
             return list(zip(latents, eos.tolist(), strict=True))
 
+        self._rows_generating = len(rows)
+        started = time.perf_counter()
         done, failures = run_rows(step, rows)
+        self._metrics.step("generate", len(rows), time.perf_counter() - started)
         self._fail_rows("AR step", failures)
-        self._metrics.batch("generate", len(rows))
+        ended = []
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
             keep = request.progress.advance(is_eos)
             if keep:
                 request.previous_latent = latent
                 request.latents.append(latent)
+                request.frames_generated += 1
+                request.in_decoder = True
                 self.decoder.put(LatentItem(request, latent, request.clause.index))
             if request.progress.ended:
-                request.phase = Phase.DRAINING
                 clause = request.clause
                 done_event = ClauseDone(clause.index, clause.text, len(request.latents))
+                request.in_decoder = True
                 self.decoder.put(ClauseEndItem(request, done_event))
+                ended.append(request)
+        if ended:
+            self._end_clauses(ended)
+
+    def _end_clauses(self, requests: list[Request]) -> None:
+        """Clauses the AR stage finished: the chaining tail is known now, so the pages go back
+        and the next clause may start at once; the decoder keeps each stream's audio in order."""
+        with self._lock:
+            for request in requests:
+                if request.chain_frames and request.latents:
+                    request.tail = torch.stack(request.latents[-request.chain_frames :])
+                self.scheduler.end_clause(request)
+                request.latents = []
+                request.phase = Phase.IDLE
 
     # ---- callbacks from the decoder worker
 
-    def _clause_delivered(self, request: Request) -> None:
+    def _decoder_released(self, request: Request) -> None:
+        """A parked request's decoder row is free (its history saved)."""
         with self._lock:
-            self._delivered.append(request)
+            self.scheduler.released(request)
             self._lock.notify_all()
 
     def _decoder_finished(self, request: Request, item: FinishItem) -> None:

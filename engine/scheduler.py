@@ -1,28 +1,36 @@
-"""AR-side scheduling: admission in FIFO order, and the batch of every step rebuilt from scratch.
+"""AR-side scheduling: who holds a row, who waits for one, and the batch of every step.
+
+A stream holds a row (an AR batch slot and a decoder row) only while it has text to speak. An
+open stream with no text pending sits in `idle` and costs nothing but its saved decoder history;
+text moves it to `waiting`, and admission gives it a row. When its clause ends and no text is
+pending, or when it is far ahead of playback while others wait for a row, it gives the row back
+(`park`).
 
 Each iteration:
-1. admitted requests whose next clause is ready (text complete, previous clause's audio delivered)
-   start it if its KV pages can be reserved; then waiting requests are admitted, oldest first,
-   while batch slots and pages last. A request that does not fit blocks those behind it, so
-   admission stays FIFO and a big request cannot starve; one with no text yet is skipped.
+1. running requests between clauses start their next clause if their KV pages can be reserved
+   (unless pacing holds them); then waiting requests are admitted while rows and pages last, in
+   priority order: a new request's first clause, then streams closest to an underrun (least
+   audio ahead of playback), then the rest, first come first served among equals. A request
+   that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
+   its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill;
-3. every generating request joins one AR step.
+3. every generating request that pacing does not hold joins one AR step.
 
 A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
 `schedule` hands it back in `Batch.failed` and goes on with the others.
 
-The scheduler changes its queues only through its own methods (`add`, `set_voice`, `release`,
-`released`); the engine calls all of them under its lock.
+The scheduler changes its queues only through its own methods (`add`, `ready`, `set_voice`,
+`park`, `release`, `released`); the engine calls all of them under its lock.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.errors import EngineFullError
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.sequence import Phase, Request
@@ -41,6 +49,7 @@ class Batch:
     prefill: list[Request]
     generate: list[Request]
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    parked: list[Request] = field(default_factory=list)  # gave their row up this iteration
 
     def __bool__(self) -> bool:
         return bool(self.prefill or self.generate or self.failed)
@@ -53,15 +62,16 @@ class Scheduler:
         blocks: BlockManager,
         max_active: int,
         max_prefill_tokens: int,
-        max_queued: int,
+        max_rows_per_tenant: int | None = None,
     ):
         self.runner = runner
         self.blocks = blocks
         self.max_active = max_active
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_queued = max_queued
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.max_rows_per_tenant = max_rows_per_tenant
+        self.idle: dict[str, Request] = {}  # open, no text pending, no row
+        self.waiting: deque[Request] = deque()  # text pending, no row
+        self.running: list[Request] = []  # holding a row
         # Finished requests whose decoder row the decoder thread has not freed yet: they still
         # count against max_active, so a new request always finds a free row.
         self.releasing: set[str] = set()
@@ -73,10 +83,29 @@ class Scheduler:
 
     # ---- queues
 
+    @property
+    def requests(self) -> list[Request]:
+        """Every open request the scheduler holds, in any queue."""
+        return [*self.running, *self.waiting, *self.idle.values()]
+
     def add(self, request: Request) -> None:
-        if len(self.waiting) >= self.max_queued:
-            raise EngineFullError(f"{self.max_queued} requests already queued")
-        self.waiting.append(request)
+        """A new stream: idle until it has text."""
+        self.idle[request.id] = request
+
+    def ready(self, request: Request) -> None:
+        """The request has text now: it waits for a row if it does not hold one."""
+        if self.idle.pop(request.id, None) is not None:
+            self.waiting.append(request)
+
+    def park(self, request: Request) -> None:
+        """Give the request's row back; its decoder row is freed after its audio (`released`)."""
+        self.running.remove(request)
+        self.releasing.add(request.id)
+        request.phase = Phase.WAITING
+        if request.pending:
+            self.waiting.append(request)
+        else:
+            self.idle[request.id] = request
 
     def set_voice(self, name: str, table: PageTable) -> PageTable | None:
         """Register (or replace) a voice's prompt pages; returns the replaced voice's table."""
@@ -92,6 +121,7 @@ class Scheduler:
         admitted = request in self.running
         if request in self.waiting:
             self.waiting.remove(request)
+        self.idle.pop(request.id, None)
         if admitted:
             self.running.remove(request)
             self.releasing.add(request.id)
@@ -157,8 +187,11 @@ class Scheduler:
 
     # ---- batches
 
-    def schedule(self) -> Batch:
+    def schedule(self, held: Callable[[Request], bool], lead: Callable[[Request], float]) -> Batch:
+        """The next batch. `held(request)`: pacing holds it back now; `lead(request)`: seconds
+        of its audio ahead of playback (for priority)."""
         failed: list[tuple[Request, Exception]] = []
+        parked: list[Request] = []
 
         def try_start(request: Request) -> bool | None:
             """start_clause, with a failure pinned on the request (None)."""
@@ -169,15 +202,35 @@ class Scheduler:
                 failed.append((request, e))
                 return None
 
-        for request in self.running:
-            if request.phase is Phase.IDLE and request.pending and try_start(request) is False:
+        short_of_pages = False
+        for request in list(self.running):
+            if request.phase is not Phase.IDLE:
+                continue
+            if not request.pending and not request.input_ended:
+                self.park(request)  # nothing to say for now: the row is someone else's
+                parked.append(request)
+            elif request.pending and held(request):
+                if self.waiting:  # far ahead while others wait for a row: let them have it
+                    self.park(request)
+                    parked.append(request)
+            elif request.pending and try_start(request) is False:
+                short_of_pages = True
                 break
-        else:
-            for request in list(self.waiting):
+        if not short_of_pages:
+            rows = self._rows_by_tenant()
+            # sorted() is stable: first come, first served among equals.
+            for request in sorted(self.waiting, key=lambda r: (r.frames_generated > 0, lead(r))):
                 if self.active >= self.max_active:
                     break
-                if not request.pending:
-                    continue  # no text yet: not ready, and must not hold up those behind it
+                cap = self.max_rows_per_tenant
+                if (
+                    cap is not None
+                    and request.tenant is not None
+                    and rows.get(request.tenant, 0) >= cap
+                ):
+                    continue  # this tenant has its share; the others go first
+                if request.frames_generated and held(request):
+                    continue
                 started = try_start(request)
                 if started is None:
                     continue
@@ -185,6 +238,7 @@ class Scheduler:
                     break
                 self.waiting.remove(request)
                 self.running.append(request)
+                rows[request.tenant] = rows.get(request.tenant, 0) + 1
         prefill, tokens = [], 0
         for request in self.running:
             if request.phase is Phase.PREFILL:
@@ -193,5 +247,11 @@ class Scheduler:
                     break
                 prefill.append(request)
                 tokens += request.prompt.shape[0]
-        generate = [r for r in self.running if r.phase is Phase.GENERATING]
-        return Batch(prefill, generate, failed)
+        generate = [r for r in self.running if r.phase is Phase.GENERATING and not held(r)]
+        return Batch(prefill, generate, failed, parked)
+
+    def _rows_by_tenant(self) -> dict[str | None, int]:
+        rows: dict[str | None, int] = {}
+        for request in self.running:
+            rows[request.tenant] = rows.get(request.tenant, 0) + 1
+        return rows

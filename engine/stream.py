@@ -9,14 +9,20 @@ A stream talks to its engine only through the engine's public request methods (`
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from intone.engine.errors import EmptyTextError, StreamClosedError, TextTooLongError
+from intone.engine.errors import (
+    EmptyTextError,
+    InvalidOptionError,
+    StreamClosedError,
+    TextTooLongError,
+)
 from intone.engine.events import AudioChunk, ClauseDone
-from intone.engine.sequence import Clause, Request, RequestMetrics
+from intone.engine.sequence import Clause, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter
 
 if TYPE_CHECKING:
@@ -75,7 +81,20 @@ class Stream:
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
+        self.request.unread_seconds = 0.0
         self._events.put_nowait(None)
+
+    def report_playback(self, seconds: float) -> None:
+        """How many seconds of this stream's audio the listener has played.
+
+        Generation then stays at most `EngineConfig.lead_s` ahead of it (without reports, of a
+        real-time clock started at the first audio)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidOptionError(f"playback must be a number of seconds, got {seconds!r}")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidOptionError(f"playback must be finite and >= 0, got {seconds!r}")
+        self.request.playback.report(float(seconds), now())
+        self._engine.wake()
 
     def _check_open(self) -> None:
         if self._closed or self.request.input_ended:
@@ -101,6 +120,8 @@ class Stream:
         if not self._closed:
             if event is None or isinstance(event, Exception):
                 self._closed = True
+            elif isinstance(event, AudioChunk):
+                self.request.unread_seconds += len(event.samples) / self._engine.sample_rate
             self._events.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
@@ -116,6 +137,8 @@ class Stream:
         if isinstance(event, Exception):
             self._ended = True
             raise event
+        if isinstance(event, AudioChunk):
+            self.request.unread_seconds -= len(event.samples) / self._engine.sample_rate
         return event
 
     async def audio(self) -> AsyncIterator[np.ndarray]:
