@@ -323,3 +323,39 @@ async def test_scheduling_metrics(make_engine) -> None:
     assert {"prefill", "generate", "decode"} <= steps
     assert "intone_stream_lead_seconds" in families
     assert "intone_pacing_paused_seconds" in families and "intone_idle_timeouts" in families
+
+
+async def test_an_in_process_turn_outlives_the_idle_timeout(make_engine) -> None:
+    """The plugins' speech stream: when the engine stream times out mid-turn (a slow tool
+    call), the turn's later text opens a fresh engine stream instead of failing the turn."""
+    from intone.provider.shared import EngineSpeech
+
+    engine = make_engine(idle_timeout_s=0.3)
+    floor = voice_pages(engine)
+    opts = options(9, max_frames=4)
+    speech = EngineSpeech(
+        engine.stream(None, opts), engine.sample_rate, reopen=lambda: engine.stream(None, opts)
+    )
+    events: list = []
+
+    async def consume() -> None:
+        async for event in speech:
+            events.append(event)
+
+    consumer = asyncio.create_task(consume())
+    await speech.push_text("Hello there.")
+    speech.stream.flush()
+    async with asyncio.timeout(TIMEOUT):
+        while not any(isinstance(e, ClauseDone) for e in events):
+            await asyncio.sleep(0.01)
+    first = speech.stream
+    async with asyncio.timeout(TIMEOUT):
+        while engine.metrics()["idle_timeouts"] == 0:  # the tool call takes a while
+            await asyncio.sleep(0.02)
+    await speech.push_text("And here is the rest of it.")
+    await speech.end_input()
+    await asyncio.wait_for(consumer, TIMEOUT)
+    assert speech.stream is not first
+    assert sum(isinstance(e, ClauseDone) for e in events) == 2, events
+    assert speech.submitted_clauses == 2
+    await wait_idle(engine, floor)
