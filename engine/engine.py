@@ -509,6 +509,10 @@ class Engine:
     def prometheus(self) -> bytes:
         return self._metrics.prometheus()
 
+    def reset_rates(self) -> None:
+        """Restart the batch means, step times and throughputs (e.g. after a warm-up)."""
+        self._metrics.reset_rates()
+
     def is_idle(self) -> bool:
         m = self.metrics()
         return m["active_requests"] == 0 and m["queued_requests"] == 0
