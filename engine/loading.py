@@ -52,6 +52,8 @@ class LoadedModel:
     # Named voices: a WAV, a voice-state .safetensors, or an hf:// path to either.
     voices: dict[str, str] = field(default_factory=dict)
     default_voice: str | None = None
+    # The language the model speaks: spoken-form text (`normalize_text`) is written in it.
+    language: str = "en"
 
     @property
     def sample_rate(self) -> int:
