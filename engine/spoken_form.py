@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from num2words import num2words
 
-__all__ = ["LANGUAGES", "normalize_text"]
+__all__ = ["LANGUAGES", "WORDS_BEFORE_NUMBERS", "normalize_text"]
 
 LANGUAGES = ("en", "fr", "de", "es", "it", "pt", "nl")
 
@@ -300,6 +300,16 @@ _LANGS: dict[str, _Lang] = {
         extra={"&": "en"},
     ),
 }  # fmt: skip
+
+
+# Lowercased words that a number after them belongs to ("$ 5", "No. 5", "May 3"): the clause
+# splitter never cuts between the two.
+WORDS_BEFORE_NUMBERS = frozenset(
+    {"$", "€", "£", "¥", "#", "no.", "nr.", "n°", "nº", "núm.", "n.", "tel.", "tel:", "ca."}
+    | {"approx.", "jan.", "feb.", "mar.", "apr.", "jun.", "jul.", "aug.", "sep.", "sept."}
+    | {"oct.", "nov.", "dec."}
+    | {month.lower() for lang in _LANGS.values() for month in lang.months}
+)
 
 
 # --- numbers

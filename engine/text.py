@@ -26,6 +26,7 @@ import sentencepiece
 import tokenizers
 
 # Spoken-form text has its own module; it is part of the text API, under this name.
+from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
 from intone.engine.spoken_form import normalize_text as normalize_text
 
 logger = logging.getLogger(__name__)
@@ -284,20 +285,6 @@ _ABBREVIATIONS = frozenset(
 _MAX_TOKENS_PER_CHAR = 4
 
 
-# Words after which a number belongs to them: "$ 5", "No. 5", "May 3", "n° 5".
-_BEFORE_NUMBERS = frozenset(
-    "$ € £ ¥ # no. nr. n° nº núm. n. tel. tel: ca. approx. "
-    "january february march april may june july august september october november december "
-    "jan. feb. mar. apr. jun. jul. aug. sep. sept. oct. nov. dec. "
-    "janvier février mars avril mai juin juillet août septembre octobre novembre décembre "
-    "januar februar märz juni juli oktober dezember "
-    "enero febrero marzo abril mayo junio julio agosto septiembre octubre noviembre diciembre "
-    "gennaio febbraio aprile maggio giugno luglio settembre ottobre "
-    "janeiro fevereiro março maio junho julho setembro outubro novembro dezembro "
-    "januari februari maart mei augustus".split()
-)
-
-
 _HOUSE_NUMBER = re.compile(r"\d{1,5}[A-Za-z]?")
 
 
@@ -307,7 +294,7 @@ def _last_word(buf: str, end: int) -> str:
 
 def _needs_next_char(buf: str, end: int) -> bool:
     """Whether the cut at the whitespace at `end` depends on the character after it."""
-    return _last_word(buf, end).lower() in _BEFORE_NUMBERS
+    return _last_word(buf, end).lower() in WORDS_BEFORE_NUMBERS
 
 
 def _inside_number(buf: str, end: int) -> bool:
@@ -325,7 +312,7 @@ def _inside_number(buf: str, end: int) -> bool:
     if len(words) == 2 and _HOUSE_NUMBER.fullmatch(words[0]) and word[:1].isupper():
         return True  # "221B Baker | Street"
     nxt = buf[end + 1 : end + 2]
-    return nxt.isdigit() and word.lower() in _BEFORE_NUMBERS
+    return nxt.isdigit() and word.lower() in WORDS_BEFORE_NUMBERS
 
 
 def _is_abbreviation(core: str) -> bool:

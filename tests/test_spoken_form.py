@@ -382,7 +382,11 @@ def test_clause_plan_reads_the_spoken_form(tiny_model: LoadedModel) -> None:
     spoken = normalize_text(clause, tiny_model.language)
     on = plan_clause(tiny_model, clause, GenerationOptions())
     off = plan_clause(tiny_model, clause, GenerationOptions(normalize=False))
-    assert on.tokens == tiny_model.tokenizer.encode(prepare_text(spoken, tiny_model.text_options)[0])
-    assert off.tokens == tiny_model.tokenizer.encode(prepare_text(clause, tiny_model.text_options)[0])
+    assert on.tokens == tiny_model.tokenizer.encode(
+        prepare_text(spoken, tiny_model.text_options)[0]
+    )
+    assert off.tokens == tiny_model.tokenizer.encode(
+        prepare_text(clause, tiny_model.text_options)[0]
+    )
     # The frame budget follows the spoken form, which is much longer than the written one.
     assert on.max_frames > off.max_frames
