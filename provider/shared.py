@@ -39,6 +39,7 @@ from intone.engine import (
     Stream,
 )
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.engine.timeline import WordTiming
 from intone.provider.server import protocol
 from intone.provider.server.protocol import ErrorCode
 
@@ -325,6 +326,11 @@ class SpeechStream(Protocol):
         """Clauses handed to the engine so far (0 where unknown)."""
         ...
 
+    @property
+    def request_id(self) -> str:
+        """The engine's (or the server's) id of this request, for traces and logs."""
+        ...
+
     async def push_text(self, text: str) -> None: ...
     async def end_input(self) -> None: ...
     def cancel(self) -> None:
@@ -357,6 +363,10 @@ class EngineSpeech:
     @property
     def submitted_clauses(self) -> int:
         return self.stream.metrics.clauses
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.id
 
     async def push_text(self, text: str) -> None:
         self.stream.push_text(text)
@@ -470,6 +480,10 @@ class RemoteSpeech:
     def submitted_clauses(self) -> int:
         return 0  # the server does not report it while the input is open
 
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id or ""
+
     async def push_text(self, text: str) -> None:
         await self.stream.push_text(text)
 
@@ -492,7 +506,14 @@ class RemoteSpeech:
             if isinstance(item, bytes):
                 yield AudioChunk(np.frombuffer(item, dtype="<f4"), clause)
             elif isinstance(item, protocol.ClauseDoneEvent):
-                yield ClauseDone(item.clause, item.text, item.frames)
+                yield ClauseDone(
+                    item.clause,
+                    item.text,
+                    item.frames,
+                    start_sample=round(item.start * self.sample_rate),
+                    samples=round(item.audio_seconds * self.sample_rate),
+                    words=[WordTiming(w.word, w.start, w.end) for w in item.words],
+                )
                 clause += 1
             else:
                 logger.warning("intone server: %s: %s", item.code, item.message)
@@ -523,6 +544,13 @@ class RemoteBackend:
     @property
     def shared_engine(self) -> Engine | None:
         return None
+
+    @property
+    def server_model(self) -> str | None:
+        """The model the server runs, from its hello (None before the first connection)."""
+        with self._lock:
+            clients = list(self._clients.values())
+        return next((c.hello.model for c in clients if c.hello is not None), None)
 
     async def _client(self) -> Any:
         from intone.provider.client import IntoneClient
