@@ -38,6 +38,7 @@ from intone.engine import (
     LoadedModel,
     Stream,
 )
+from intone.engine.errors import InvalidOptionError, UnknownVoiceError
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
 from intone.engine.timeline import WordTiming
 from intone.provider.server import protocol
@@ -154,6 +155,16 @@ def acquire(
     return EngineLease(entry, entry.engine)
 
 
+def acquire_loaded(model: ModelSpec = None) -> EngineLease | None:
+    """A lease on the shared engine of `model` if it is already running; never loads."""
+    with _lock:
+        entry = _entries.get(model_key(model))
+        if entry is None:
+            return None
+        entry.refs += 1
+    return EngineLease(entry, entry.engine)
+
+
 async def acquire_async(
     model: ModelSpec = None, *, config: EngineConfig | None = None, warm: bool = True
 ) -> EngineLease:
@@ -245,7 +256,7 @@ def ensure_voice(engine: Engine, voice: str | None) -> str | None:
     if source is None and voice.startswith("hf://"):
         source = voice
     if source is None:
-        raise ValueError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
+        raise UnknownVoiceError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
     entry = _entry_of(engine)
     lock = entry.voice_lock if entry is not None else threading.Lock()
     with lock:
@@ -416,7 +427,7 @@ def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOption
     known = {f.name for f in fields(GenerationOptions)}
     unknown = set(settings) - known
     if unknown:
-        raise ValueError(f"unknown generation settings: {sorted(unknown)}")
+        raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {
         "chain_frames": engine.config.default_chain_frames,
         # Fixed per engine: the flow head's step count is compiled into its batches.
