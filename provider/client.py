@@ -31,11 +31,12 @@ API summary:
   Any number of streams may run at once on one client (up to the server's per-connection limit);
   the client is meant to be used from one asyncio event loop.
 * `ClientStream`: `await push_text(text)`, `await flush()`, `await end_input()`,
-  `await cancel(wait=True)`; `async for pcm in stream` yields audio bytes and raises
-  `IntoneError` if the stream fails; `events()` yields audio bytes and event dicts
-  (`clause_done`, non-final `error`). After the end: `metrics` (dict), `clauses` (list of
-  `clause_done` events), `cancelled`, `errors`. `sample_rate`, `format`, `request_id`, `voice`
-  are set from the server's `started` event.
+  `await cancel(wait=True)`, `await playback(seconds)` (how much audio has been played, for
+  playback-paced generation); `async for pcm in stream` yields audio bytes and raises
+  `IntoneError` if the stream fails; `events()` yields audio bytes and typed events
+  (`protocol.ClauseDoneEvent`, non-final `protocol.ErrorEvent`). After the end: `metrics`
+  (dict), `clauses` (the `ClauseDoneEvent`s), `cancelled`, `errors` (`ErrorEvent`s).
+  `sample_rate`, `format`, `request_id`, `voice` are set from the server's `started` event.
 * Errors: `IntoneError(code, message, stream)`; `IntoneConnectionError` when the connection
   drops (every open stream raises it).
 * `reconnect=True` (what the LiveKit and Pipecat remote modes use): when the connection drops,
@@ -53,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -63,14 +63,8 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from intone.provider.server.protocol import (
-    DEFAULT_FORMAT,
-    WS_PATH,
-    control_message,
-    is_terminal,
-    start_message,
-    unpack_audio,
-)
+from intone.provider.server import protocol
+from intone.provider.server.protocol import DEFAULT_FORMAT, WS_PATH, unpack_audio
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +115,8 @@ class ClientStream:
         self.voice: str | None = None
         self.sample_rate: int | None = None
         self.metrics: dict[str, Any] | None = None
-        self.clauses: list[dict[str, Any]] = []
-        self.errors: list[dict[str, Any]] = []
+        self.clauses: list[protocol.ClauseDoneEvent] = []
+        self.errors: list[protocol.ErrorEvent] = []
         self.cancelled = False
         # Timing for barge-in measurements (time.perf_counter()).
         self.cancel_sent_at: float | None = None
@@ -137,7 +131,7 @@ class ClientStream:
         self._input_ended = False
         # Messages that start this stream again on a new connection (start, text, flush, end),
         # kept until its first audio: a turn is only retried before anyone has heard it.
-        self._replay: list[str] | None = []
+        self._replay: list[protocol.Message] | None = []
         self._replayed = 0  # how many of them the current connection was sent by a replay
         self._retry_timer: asyncio.TimerHandle | None = None
 
@@ -149,16 +143,21 @@ class ClientStream:
     # ---- input
 
     async def push_text(self, text: str) -> None:
-        await self._send("text", text)
+        await self._send(protocol.Text(self.id, text))
 
     async def flush(self) -> None:
         """End the current clause here, whatever its length."""
-        await self._send("flush")
+        await self._send(protocol.Flush(self.id))
 
     async def end_input(self) -> None:
         """No more text: the stream ends when its audio has been sent."""
         self._input_ended = True
-        await self._send("end")
+        await self._send(protocol.End(self.id))
+
+    async def playback(self, seconds: float) -> None:
+        """Tell the server how many seconds of this stream's audio have been played: it then
+        keeps generation no more than its buffer ahead of the listener."""
+        await self._send(protocol.Playback(self.id, seconds))
 
     async def cancel(self, wait: bool = True, timeout: float = 10.0) -> None:
         """Stop now: iteration ends at once; with `wait`, return when the server confirms."""
@@ -170,16 +169,15 @@ class ClientStream:
             self._drop_queued_audio()
             self._queue.put_nowait(_END)
             with contextlib.suppress(IntoneConnectionError):
-                await self._send("cancel")
+                await self._send(protocol.Cancel(self.id))
         if wait:
             with contextlib.suppress(IntoneError):
                 await asyncio.wait_for(asyncio.shield(self._final), timeout)
 
-    async def _send(self, kind: str, text: str | None = None) -> None:
-        if self._final.done() and kind != "cancel":
+    async def _send(self, message: protocol.Message) -> None:
+        if self._final.done() and not isinstance(message, protocol.Cancel):
             raise IntoneError("stream_closed", f"stream {self.id} is over", self.id)
-        message = control_message(kind, self.id, text)
-        if kind == "cancel":
+        if isinstance(message, protocol.Cancel):
             await self._client._send(message)
             return
         index = None
@@ -194,7 +192,7 @@ class ClientStream:
     def done(self) -> bool:
         return self._final.done()
 
-    async def wait(self) -> dict[str, Any]:
+    async def wait(self) -> protocol.DoneEvent | protocol.CancelledEvent:
         """The stream's last event (`done` or `cancelled`); raises IntoneError on `error`."""
         return await asyncio.shield(self._final)
 
@@ -206,8 +204,10 @@ class ClientStream:
             if isinstance(item, bytes):
                 yield item
 
-    async def events(self) -> AsyncIterator[bytes | dict[str, Any]]:
-        """Audio (bytes) and events (dicts: `clause_done`, non-final `error`) in order."""
+    async def events(
+        self,
+    ) -> AsyncIterator[bytes | protocol.ClauseDoneEvent | protocol.ErrorEvent]:
+        """Audio (bytes) and events (`ClauseDoneEvent`, non-final `ErrorEvent`) in order."""
         while True:
             item = await self._queue.get()
             if item is _END:
@@ -228,29 +228,34 @@ class ClientStream:
         else:
             self._queue.put_nowait(payload)
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        if kind == "started":
-            self.channel = event["channel"]
-            self.request_id = event.get("request_id")
-            self.voice = event.get("voice")
-            self.sample_rate = event.get("sample_rate")
-            self.format = event.get("format", self.format)
+    def _on_event(self, event: protocol.Event) -> None:
+        if isinstance(event, protocol.StartedEvent):
+            self.channel = event.channel
+            self.request_id = event.request_id
+            self.voice = event.voice
+            self.sample_rate = event.sample_rate
+            self.format = event.format
             if not self._started.done():
                 self._started.set_result(event)
-        elif kind == "clause_done":
+        elif isinstance(event, protocol.ClauseDoneEvent):
             self.clauses.append(event)
             if not self._cancel_requested:
                 self._queue.put_nowait(event)
-        elif kind == "cancelled" and event.get("reason") == "shutdown" and self._retry_later():
+        elif (
+            isinstance(event, protocol.CancelledEvent)
+            and event.reason == "shutdown"
+            and self._retry_later()
+        ):
             return
-        elif is_terminal(event) or (
-            kind == "error" and event.get("cause") == "start" and not self._started.done()
+        elif protocol.is_terminal(event) or (
+            isinstance(event, protocol.ErrorEvent)
+            and event.cause == protocol.Start.TYPE
+            and not self._started.done()
         ):
             self._finish(event)
-        elif kind == "error":
+        elif isinstance(event, protocol.ErrorEvent):
             self.errors.append(event)
-            logger.warning("stream %s: %s: %s", self.id, event.get("code"), event.get("message"))
+            logger.warning("stream %s: %s: %s", self.id, event.code, event.message)
             if not self._cancel_requested:
                 self._queue.put_nowait(event)
 
@@ -261,27 +266,26 @@ class ClientStream:
         if not (self._client.reconnect and self.retryable):
             return False
         if self._retry_timer is None:
-            event = {"type": "cancelled", "stream": self.id, "reason": "shutdown"}
+            event = protocol.CancelledEvent(self.id, "shutdown")
             self._retry_timer = asyncio.get_running_loop().call_later(
                 RETRY_CLOSE_WAIT, self._finish, event
             )
         return True
 
-    def _finish(self, event: dict[str, Any]) -> None:
+    def _finish(self, event: protocol.Event) -> None:
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
         if self._final.done():
             return
-        kind = event.get("type")
-        if kind == "done":
-            self.metrics = event.get("metrics")
+        if isinstance(event, protocol.DoneEvent):
+            self.metrics = event.metrics
             self._final.set_result(event)
-        elif kind == "cancelled":
+        elif isinstance(event, protocol.CancelledEvent):
             self.cancelled = True
             self._final.set_result(event)
-        else:
-            error = IntoneError(event.get("code", "error"), event.get("message", ""), self.id)
+        elif isinstance(event, protocol.ErrorEvent):
+            error = IntoneError(event.code, event.message, self.id)
             self.errors.append(event)
             self._final.set_exception(error)
             self._final.exception()  # marks it retrieved: callers may never await it
@@ -318,11 +322,11 @@ class IntoneClient:
         self.open_timeout = open_timeout
         self.reconnect = reconnect
         self.reconnects = 0
-        self.hello: dict[str, Any] = {}
+        self.hello: protocol.HelloEvent | None = None
         self.response_headers: dict[str, str] = {}
         self._closing = False
         self._reconnecting: asyncio.Future | None = None
-        self.errors: list[dict[str, Any]] = []  # connection-level error events
+        self.errors: list[protocol.ErrorEvent] = []  # connection-level error events
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._streams: dict[str, ClientStream] = {}
@@ -347,13 +351,19 @@ class IntoneClient:
             self.url, open_timeout=self.open_timeout, compression=None, max_size=2**24
         )
         try:
-            hello = json.loads(await asyncio.wait_for(ws.recv(), self.open_timeout))
+            raw = await asyncio.wait_for(ws.recv(), self.open_timeout)
+            hello = protocol.parse_event(raw) if isinstance(raw, str) else None
+        except ValueError:
+            hello = None
         except BaseException:
             await ws.close()
             raise
-        if hello.get("type") != "hello":
+        if isinstance(hello, protocol.ErrorEvent):  # refused: bad key, origin, limits
             await ws.close()
-            raise IntoneError("bad_message", f"expected a hello event, got {hello!r}")
+            raise IntoneError(hello.code, hello.message)
+        if not isinstance(hello, protocol.HelloEvent):
+            await ws.close()
+            raise IntoneError("bad_message", "the server did not start with a hello event")
         self._ws = ws
         self.hello = hello
         self.response_headers = dict(ws.response.headers) if ws.response is not None else {}
@@ -372,11 +382,11 @@ class IntoneClient:
     @property
     def sample_rate(self) -> int | None:
         """The model's native sample rate."""
-        return self.hello.get("sample_rate")
+        return self.hello.sample_rate if self.hello else None
 
     @property
     def voices(self) -> list[str]:
-        return list(self.hello.get("voices", []))
+        return list(self.hello.voices) if self.hello else []
 
     async def stream(
         self,
@@ -395,18 +405,18 @@ class IntoneClient:
         stream = ClientStream(self, stream_id, format)
         self._streams[stream_id] = stream
         try:
-            message = start_message(
+            start = protocol.Start(
                 stream_id,
                 voice=voice,
                 sample_rate=sample_rate,
                 format=format,
-                options=options,
+                options=dict(options or {}),
                 text=text,
                 end=end,
             )
             assert stream._replay is not None
-            stream._replay.append(message)
-            await self._send(message, stream, 0)
+            stream._replay.append(start)
+            await self._send(start, stream, 0)
             await asyncio.shield(stream._started)
         except BaseException:
             self._forget(stream)
@@ -432,7 +442,10 @@ class IntoneClient:
     # ---- internals
 
     async def _send(
-        self, message: str, stream: ClientStream | None = None, index: int | None = None
+        self,
+        message: protocol.Message,
+        stream: ClientStream | None = None,
+        index: int | None = None,
     ) -> None:
         """Send; `index`: the message's place in the stream's replay, if recorded there."""
         while self._reconnecting is not None:
@@ -442,7 +455,7 @@ class IntoneClient:
         if self._closed_error is not None or self._ws is None:
             raise self._closed_error or IntoneConnectionError("not connected")
         try:
-            await self._ws.send(message)
+            await self._ws.send(protocol.encode_message(message))
         except ConnectionClosed as e:
             if self.reconnect and index is not None and stream is not None and stream.retryable:
                 return  # the reader sees the close and replays the stream on a new connection
@@ -521,7 +534,7 @@ class IntoneClient:
                     messages = stream._replay or []
                     # Messages pushed while this runs join the list and go out here too.
                     while stream._replayed < len(messages):
-                        await self._ws.send(messages[stream._replayed])
+                        await self._ws.send(protocol.encode_message(messages[stream._replayed]))
                         stream._replayed += 1
                     if stream._retry_timer is not None:
                         stream._retry_timer.cancel()
@@ -530,7 +543,7 @@ class IntoneClient:
             for stream in list(self._streams.values()):
                 if stream._cancel_requested and stream.id not in replayed:
                     # Cancelled while the connection was down: nothing to tell the server.
-                    stream._finish({"type": "cancelled", "stream": stream.id, "reason": "client"})
+                    stream._finish(protocol.CancelledEvent(stream.id, "client"))
                     self._forget(stream)
         except ConnectionClosed:
             pass  # the new connection's reader sees it and starts over
@@ -551,18 +564,18 @@ class IntoneClient:
 
     def _on_text(self, message: str) -> None:
         try:
-            event = json.loads(message)
-        except json.JSONDecodeError:
-            logger.warning("dropping a malformed event: %.200s", message)
+            event = protocol.parse_event(message)
+        except ValueError as e:
+            logger.warning("dropping a malformed event (%s): %.200r", e, message)
             return
-        stream = self._streams.get(event.get("stream") or "")
+        stream = self._streams.get(getattr(event, "stream", None) or "")
         if stream is None:
-            if event.get("type") == "error":
+            if isinstance(event, protocol.ErrorEvent):
                 self.errors.append(event)
-                logger.warning("server error: %s: %s", event.get("code"), event.get("message"))
+                logger.warning("server error: %s: %s", event.code, event.message)
             return
-        if event.get("type") == "started":
-            self._channels[event["channel"]] = stream
+        if isinstance(event, protocol.StartedEvent):
+            self._channels[event.channel] = stream
         stream._on_event(event)
         if stream.done:
             self._forget(stream)

@@ -39,6 +39,8 @@ from intone.engine import (
     Stream,
 )
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.provider.server import protocol
+from intone.provider.server.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -416,9 +418,15 @@ def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOption
 
 # ---- remote engine (`intone serve`) through intone.provider.client
 
-# Error codes of the server (intone.provider.server.protocol.ErrorCode) a retry can cure.
-_BUSY_CODES = {"server_busy", "too_many_streams", "shutting_down"}
-_SERVER_CODES = {"engine_error", "internal_error"}
+# Error codes of the server a retry can cure.
+_BUSY_CODES = {
+    ErrorCode.SERVER_BUSY,
+    ErrorCode.TOO_MANY_STREAMS,
+    ErrorCode.SHUTTING_DOWN,
+    ErrorCode.TOO_MANY_CONNECTIONS,
+    ErrorCode.RATE_LIMITED,
+}
+_SERVER_CODES = {ErrorCode.ENGINE_ERROR, ErrorCode.INTERNAL_ERROR}
 
 
 def remote_error_status(e: BaseException) -> tuple[int | None, bool] | None:
@@ -483,15 +491,11 @@ class RemoteSpeech:
                 return
             if isinstance(item, bytes):
                 yield AudioChunk(np.frombuffer(item, dtype="<f4"), clause)
-            elif item.get("type") == "clause_done":
-                yield ClauseDone(
-                    int(item.get("clause", clause)),
-                    item.get("text", ""),
-                    int(item.get("frames", 0)),
-                )
+            elif isinstance(item, protocol.ClauseDoneEvent):
+                yield ClauseDone(item.clause, item.text, item.frames)
                 clause += 1
             else:
-                logger.warning("intone server: %s: %s", item.get("code"), item.get("message"))
+                logger.warning("intone server: %s: %s", item.code, item.message)
 
 
 class RemoteBackend:

@@ -11,7 +11,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
+from importlib import metadata
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from intone.engine import Engine
@@ -20,6 +21,21 @@ from intone.provider.server.settings import ServerSettings
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
 
 logger = logging.getLogger(__name__)
+
+
+def server_version() -> str:
+    try:
+        return metadata.version("intone")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "unknown"
+
+
+def model_name(source: str) -> str:
+    """What clients are told about the checkpoint: its hub id or its file's stem, never a local
+    directory (it would tell a stranger how the host is laid out)."""
+    if source.startswith("hf://"):
+        return source
+    return PurePosixPath(source.replace("\\", "/")).stem or "model"
 
 
 class EngineUnavailableError(RuntimeError):
@@ -63,6 +79,7 @@ class Runtime:
         self.connections: set[Closable] = set()
         self.draining = False
         self.closed = False
+        self.version = server_version()
         self.metrics = ServerMetrics(lambda: len(self.connections), lambda: len(self.streams))
 
     # ---- engine

@@ -12,24 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from intone.engine import AudioChunk, ClauseDone, Engine, EngineFullError, GenerationOptions
+from intone.engine import AudioChunk, ClauseDone, Engine, EngineError, GenerationOptions
 from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.logs import bind
 from intone.provider.server.pcm import PcmEncoder
-from intone.provider.server.protocol import ErrorCode, ProtocolError
-from intone.provider.server.runtime import EngineUnavailableError, Runtime
-from intone.provider.server.voices import UnknownVoiceError
+from intone.provider.server.protocol import CloseCode, ErrorCode, ProtocolError
+from intone.provider.server.runtime import EngineUnavailableError, Runtime, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +65,7 @@ class WsStream:
         self.bytes_sent = 0
         self.chars = 0
         self.clause_samples = 0
+        self.played_seconds = 0.0  # from the client's `playback` messages
         self.input_ended = False
         self.cancelled = False  # no audio for it leaves the writer once set
         self.finished = False
@@ -100,18 +98,18 @@ class Connection:
         try:
             self.engine = await self.runtime.ready()
         except EngineUnavailableError as e:
-            await self.websocket.accept()
-            await self.websocket.send_text(
-                json.dumps(protocol.error_event(ErrorCode.ENGINE_ERROR, str(e)))
+            await self._refuse(
+                protocol.ErrorEvent(ErrorCode.ENGINE_ERROR, str(e)),
+                CloseCode.INTERNAL_ERROR,
+                "engine unavailable",
             )
-            await self.websocket.close(1011, "engine unavailable")
             return
         if self.runtime.draining:  # where the listener stays open (mounted, hosted): refuse
-            await self.websocket.accept()
-            await self.websocket.send_text(
-                json.dumps(protocol.error_event(ErrorCode.SHUTTING_DOWN, "shutting down"))
+            await self._refuse(
+                protocol.ErrorEvent(ErrorCode.SHUTTING_DOWN, "shutting down"),
+                CloseCode.GOING_AWAY,
+                "server shutting down",
             )
-            await self.websocket.close(1001, "server shutting down")
             return
         await self.websocket.accept()
         self.runtime.add_connection(self)
@@ -140,27 +138,30 @@ class Connection:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._closed.wait(), 5.0)
 
-    def _hello(self) -> dict[str, Any]:
+    async def _refuse(self, event: protocol.ErrorEvent, code: int, reason: str) -> None:
+        """Accept only to say why, then close: browsers see neither a handshake's status nor
+        its body, but they do see this event and the close code."""
+        await self.websocket.accept()
+        await self.websocket.send_text(protocol.encode_event(event))
+        await self.websocket.close(code, reason)
+
+    def _hello(self) -> protocol.HelloEvent:
         engine = self.engine
         assert engine is not None and self.runtime.voices is not None
-        return {
-            "type": "hello",
-            "protocol": protocol.PROTOCOL_VERSION,
-            "connection": self.id,
-            "sample_rate": engine.sample_rate,
-            "formats": sorted(protocol.SAMPLE_FORMATS),
-            "header_bytes": protocol.HEADER_BYTES,
-            "voices": self.runtime.voices.known(),
-            "default_voice": engine.default_voice,
-            "weights": engine.loaded.weights,
-            "limits": {
-                "max_message_bytes": self.settings.max_message_bytes,
-                "max_streams": self.settings.max_streams_per_connection,
-                "max_text_chars": engine.config.max_text_chars,
-                "sample_rate_min": protocol.MIN_SAMPLE_RATE,
-                "sample_rate_max": protocol.MAX_SAMPLE_RATE,
-            },
-        }
+        return protocol.HelloEvent(
+            connection=self.id,
+            model=model_name(engine.loaded.source),
+            version=self.runtime.version,
+            sample_rate=engine.sample_rate,
+            voices=self.runtime.voices.known(),
+            default_voice=engine.default_voice,
+            weights=engine.loaded.weights,
+            limits=protocol.Limits(
+                max_message_bytes=self.settings.max_message_bytes,
+                max_streams=self.settings.max_streams_per_connection,
+                max_text_chars=engine.config.max_text_chars,
+            ),
+        )
 
     # ---- reading
 
@@ -173,25 +174,29 @@ class Connection:
             text = message.get("text")
             if text is None:
                 self._error(
-                    ErrorCode.BINARY_NOT_ACCEPTED,
-                    "binary messages are not accepted: send JSON text messages",
+                    ProtocolError(
+                        ErrorCode.BINARY_NOT_ACCEPTED,
+                        "binary messages are not accepted: send JSON text messages",
+                    )
                 )
                 continue
             # Checked before parsing: a huge message must not cost a JSON parse.
             if len(text) > limit or len(text.encode("utf-8")) > limit:
                 self._error(
-                    ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message of {len(text.encode('utf-8'))} bytes is over the limit of "
-                    f"{limit}: send long text in several `text` messages",
+                    ProtocolError(
+                        ErrorCode.MESSAGE_TOO_LARGE,
+                        f"message over the limit of {limit} bytes: send long text in several "
+                        "`text` messages",
+                    )
                 )
                 continue
             try:
                 await self._handle(protocol.parse_message(text))
             except ProtocolError as e:
-                self._error(e.code, e.message, e.stream, final=e.final, cause=e.cause)
+                self._error(e)
             except Exception:
                 self.log.exception("failed to handle a message")
-                self._error(ErrorCode.INTERNAL_ERROR, "internal error handling the message")
+                self._error(ProtocolError(ErrorCode.INTERNAL_ERROR, "internal error"))
 
     async def _handle(self, message: protocol.Message) -> None:
         if isinstance(message, protocol.Start):
@@ -208,22 +213,24 @@ class Connection:
                 self._flush(stream)
             elif isinstance(message, protocol.End):
                 self._end(stream, "end")
+            elif isinstance(message, protocol.Playback):
+                stream.played_seconds = max(stream.played_seconds, message.seconds)
 
     def _active(self, message: protocol.Message) -> WsStream:
-        kind = type(message).__name__.lower()
+        kind = message.TYPE
         stream = self.streams.get(message.stream)
         if stream is not None:
             return stream
         if message.stream in self._recent_set:
             raise ProtocolError(
                 ErrorCode.STREAM_CLOSED,
-                f"stream {message.stream!r} is over",
+                f"stream {protocol.echo(message.stream)} is over",
                 message.stream,
                 cause=kind,
             )
         raise ProtocolError(
             ErrorCode.UNKNOWN_STREAM,
-            f"no stream {message.stream!r} on this connection: send `start` first",
+            f"no stream {protocol.echo(message.stream)} on this connection: send `start` first",
             message.stream,
             cause=kind,
         )
@@ -240,7 +247,7 @@ class Connection:
             # Not final: the stream that owns the id (if still running) carries on.
             raise refuse(
                 ErrorCode.STREAM_EXISTS,
-                f"stream id {sid!r} was already used on this connection",
+                f"stream id {protocol.echo(sid)} was already used on this connection",
                 final=False,
             )
         if self.runtime.draining:
@@ -255,27 +262,22 @@ class Connection:
             raise refuse(ErrorCode.EMPTY_TEXT, "a one-shot start (end: true) needs text")
         engine = self.engine
         assert engine is not None and self.runtime.voices is not None
-        try:
-            options = GenerationOptions(
-                **{"chain_frames": engine.config.default_chain_frames, **message.options}
-            )
-            options.validate()
-        except (TypeError, ValueError) as e:
-            raise refuse(ErrorCode.BAD_OPTIONS, str(e)) from None
         self._reserved.add(sid)
         try:
             try:
+                options = GenerationOptions(
+                    **{
+                        "chain_frames": engine.config.default_chain_frames,
+                        "flow_steps": engine.config.flow_steps,
+                        **message.options,
+                    }
+                )
                 voice = await self.runtime.voices.resolve(message.voice)
-            except UnknownVoiceError as e:
-                raise refuse(ErrorCode.UNKNOWN_VOICE, str(e)) from None
-            if self._closed.is_set():
-                return
-            try:
+                if self._closed.is_set():
+                    return
                 engine_stream = engine.stream(voice, options)
-            except EngineFullError as e:
-                raise refuse(ErrorCode.SERVER_BUSY, str(e)) from None
-            except ValueError as e:
-                raise refuse(ErrorCode.BAD_OPTIONS, str(e)) from None
+            except (EngineError, ValueError) as e:
+                raise refuse(protocol.engine_error_code(e), str(e)) from None
         finally:
             self._reserved.discard(sid)
         stream = WsStream(
@@ -291,15 +293,9 @@ class Connection:
         self.streams[sid] = stream
         self.runtime.add_stream(stream)
         self._send_event(
-            {
-                "type": "started",
-                "stream": sid,
-                "channel": stream.channel,
-                "request_id": stream.request_id,
-                "voice": voice,
-                "sample_rate": stream.sample_rate,
-                "format": stream.format,
-            }
+            protocol.StartedEvent(
+                sid, stream.channel, stream.request_id, voice, stream.sample_rate, stream.format
+            )
         )
         stream.log.info(
             "stream started",
@@ -310,10 +306,17 @@ class Connection:
             },
         )
         stream.task = asyncio.create_task(self._pump(stream), name=f"intone-ws-{stream.request_id}")
-        if message.text:
-            self._push(stream, message.text, cause="start")
-        if message.end:
-            self._end(stream, "start")
+        try:
+            if message.text:
+                self._push(stream, message.text, cause="start")
+            if message.end:
+                self._end(stream, "start")
+        except ProtocolError as e:
+            # The stream exists now: a start whose text is refused ends it, with its final
+            # event (a one-shot start would otherwise wait forever for an `end`).
+            self._fail(stream)
+            e.final = True
+            raise
 
     # ---- input
 
@@ -334,9 +337,9 @@ class Connection:
             )
         try:
             stream.engine_stream.push_text(text)
-        except ValueError as e:
-            raise refuse(ErrorCode.BAD_TEXT, str(e)) from None
-        except RuntimeError as e:
+        except (EngineError, ValueError) as e:
+            raise refuse(protocol.engine_error_code(e), str(e)) from None
+        except RuntimeError as e:  # an untyped "no longer takes input"
             raise refuse(ErrorCode.STREAM_CLOSED, str(e)) from None
         stream.chars += len(text)
         if stream.first_text_at is None and text.strip():
@@ -349,21 +352,30 @@ class Connection:
             )
         try:
             stream.engine_stream.flush()
-        except ValueError as e:
-            raise ProtocolError(ErrorCode.BAD_TEXT, str(e), stream.id, cause="flush") from None
+        except (EngineError, ValueError) as e:
+            code = protocol.engine_error_code(e)
+            raise ProtocolError(code, str(e), stream.id, cause="flush") from None
 
     def _end(self, stream: WsStream, cause: str) -> None:
         if stream.input_ended:
             raise ProtocolError(
                 ErrorCode.STREAM_CLOSED, "input already ended", stream.id, cause=cause
             )
+        if stream.first_text_at is None:
+            # Checked here, not left to the engine: nothing to say means no stream.
+            self._fail(stream)
+            raise ProtocolError(
+                ErrorCode.EMPTY_TEXT,
+                "no text to speak was sent",
+                stream.id,
+                final=True,
+                cause=cause,
+            )
         try:
             stream.engine_stream.end_input()
-        except ValueError as e:
-            # Nothing to say: the stream is over, with an error.
-            self._finish(stream, "error")
-            stream.engine_stream.cancel()
-            code = ErrorCode.EMPTY_TEXT if "no text" in str(e) else ErrorCode.BAD_TEXT
+        except (EngineError, ValueError) as e:
+            self._fail(stream)
+            code = protocol.engine_error_code(e)
             raise ProtocolError(code, str(e), stream.id, final=True, cause=cause) from None
         stream.input_ended = True
 
@@ -385,17 +397,24 @@ class Connection:
             self._send_audio(stream, stream.encoder.finish())
             metrics = self._metrics(stream)
             self._finish(stream, "done")
-            self._send_event({"type": "done", "stream": stream.id, "metrics": metrics})
+            self._send_event(protocol.DoneEvent(stream.id, metrics))
             stream.log.info("stream done", extra=_rounded(metrics))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # EngineError, or a bug: either way this stream is over
             if stream.finished:
                 return
-            stream.log.error("stream failed: %s", e, exc_info=not _is_engine_error(e))
-            self._finish(stream, "error")
-            stream.engine_stream.cancel()
-            self._error(ErrorCode.ENGINE_ERROR, f"generation failed: {e}", stream.id, final=True)
+            stream.log.error("stream failed: %s", e, exc_info=not isinstance(e, EngineError))
+            self._fail(stream)
+            code = protocol.engine_error_code(e) if isinstance(e, EngineError) else None
+            self._error(
+                ProtocolError(
+                    code or ErrorCode.ENGINE_ERROR,
+                    f"generation failed: {e}",
+                    stream.id,
+                    final=True,
+                )
+            )
 
     def _send_audio(self, stream: WsStream, pcm: bytes) -> None:
         if not pcm or stream.cancelled:
@@ -409,16 +428,17 @@ class Connection:
         stream.bytes_sent += len(pcm)
         self._outbox.put_nowait((stream, frame))
 
-    def _clause_event(self, stream: WsStream, event: ClauseDone) -> dict[str, Any]:
+    def _clause_event(self, stream: WsStream, event: ClauseDone) -> protocol.ClauseDoneEvent:
         audio_seconds = stream.clause_samples / stream.model_rate
         stream.clause_samples = 0
-        return {
-            "type": "clause_done",
-            "stream": stream.id,
-            **asdict(event),
-            "audio_seconds": round(audio_seconds, 4),
-            "elapsed": round(time.perf_counter() - stream.started_at, 4),
-        }
+        return protocol.ClauseDoneEvent(
+            stream=stream.id,
+            clause=event.clause,
+            text=event.text,
+            frames=event.frames,
+            audio_seconds=round(audio_seconds, 4),
+            elapsed=round(time.perf_counter() - stream.started_at, 4),
+        )
 
     def _metrics(self, stream: WsStream) -> dict[str, Any]:
         metrics: dict[str, Any] = dict(stream.engine_stream.metrics.as_dict())
@@ -439,7 +459,7 @@ class Connection:
         stream.cancelled = True
         stream.engine_stream.cancel()
         self._finish(stream, "cancelled" if reason == "client" else reason)
-        self._send_event({"type": "cancelled", "stream": stream.id, "reason": reason})
+        self._send_event(protocol.CancelledEvent(stream.id, reason))
         stream.log.info("stream cancelled", extra={"reason": reason})
 
     def _abandon(self, stream: WsStream) -> None:
@@ -451,6 +471,14 @@ class Connection:
         self._finish(stream, "disconnected")
         stream.log.info("stream abandoned: client disconnected")
 
+    def _fail(self, stream: WsStream) -> None:
+        """The stream is over with an error (whose final event the caller sends)."""
+        if stream.finished:
+            return
+        stream.cancelled = True
+        stream.engine_stream.cancel()
+        self._finish(stream, "error")
+
     def _finish(self, stream: WsStream, outcome: str) -> None:
         stream.finished = True
         self.streams.pop(stream.id, None)
@@ -461,25 +489,19 @@ class Connection:
         self.runtime.remove_stream(stream)
         self.runtime.metrics.stream_finished("websocket", outcome)
 
-    def _send_event(self, event: dict[str, Any]) -> None:
-        self._outbox.put_nowait((None, json.dumps(event)))
+    def _send_event(self, event: protocol.Event) -> None:
+        self._outbox.put_nowait((None, protocol.encode_event(event)))
 
-    def _error(
-        self,
-        code: ErrorCode,
-        message: str,
-        stream: str | None = None,
-        *,
-        final: bool = False,
-        cause: str | None = None,
-    ) -> None:
-        if final and stream in self.streams:
-            final = False  # an error about a message never ends another live stream
-        self.runtime.metrics.error(str(code))
+    def _error(self, error: ProtocolError) -> None:
+        if error.final and error.stream in self.streams:
+            error.final = False  # an error about a message never ends another live stream
+        self.runtime.metrics.error(str(error.code))
         self.log.info(
-            "error event: %s", message, extra={"code": str(code), "stream": stream, "final": final}
+            "error event: %s",
+            error.message,
+            extra={"code": str(error.code), "stream": error.stream, "final": error.final},
         )
-        self._send_event(protocol.error_event(code, message, stream, final, cause))
+        self._send_event(error.event())
 
     async def _write(self) -> None:
         ws = self.websocket
@@ -512,12 +534,6 @@ async def websocket_endpoint(websocket: WebSocket, runtime: Runtime) -> None:
 def _client(websocket: WebSocket) -> str:
     client = websocket.client
     return f"{client.host}:{client.port}" if client else "?"
-
-
-def _is_engine_error(error: Exception) -> bool:
-    from intone.engine import EngineError
-
-    return isinstance(error, EngineError)
 
 
 def _rounded(metrics: dict[str, Any]) -> dict[str, Any]:
