@@ -7,7 +7,8 @@ a second process, and the client's own CPU on the same cores.
 `ws-ray` runs the same server as one Ray Serve replica behind Ray's HTTP proxy (`intone serve
 --ray --replicas 1`, a local Ray cluster): ws-ray minus ws is the proxy's cost. One stream per
 connection there (`--ray-streams-per-connection 1`), so Ray admits as many connections as the
-engine has rows (16).
+engine has rows (16); those connections fill the replica, so ws-ray reports no stage batch
+means (its /stats request would queue behind them).
 
 Connections follow the production advice: opened once before measuring and reused; one
 connection per concurrent client slot (as many as the sweep's largest concurrency), requests
@@ -91,6 +92,10 @@ class WsBackend:
     def _engine_stats(self) -> dict | None:
         import httpx
 
+        if self.ray:
+            # The benchmark's connections take every slot Ray gives the replica (one per engine
+            # row): a /stats request would wait behind them. No stage batch means for ws-ray.
+            return None
         try:
             return httpx.get(f"{self.base}/stats", timeout=10).json()["engine"]
         except Exception:
