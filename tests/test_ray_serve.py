@@ -327,3 +327,52 @@ async def _wait_for_replicas(cluster, count: int, timeout: float = 90) -> None:
                 if response.status_code == 200:
                     seen.add(response.headers[REPLICA_HEADER])
             await asyncio.sleep(0.2)
+
+
+@pytest.mark.ray
+async def test_autoscaling_grows_on_engine_load(cluster, tiny_checkpoint):
+    """One replica, two streams open on it (load 2/8 over a target of 0.1): the policy asks for
+    more replicas and Ray starts the second."""
+    from ray import serve
+
+    options = ServeOptions(
+        model=str(tiny_checkpoint),
+        fallback_preset=None,
+        engine_config=EngineConfig(max_active=MAX_ACTIVE),
+    )
+    layout = RayOptions(
+        min_replicas=1,
+        max_replicas=2,
+        num_cpus=0.5,
+        streams_per_connection=STREAMS_PER_CONNECTION,
+        target_load=0.1,
+        health_check_period_s=1.0,
+    )
+    app = build_deployment(options, layout)
+    await asyncio.get_running_loop().run_in_executor(
+        None, lambda: serve.run(app, name="autoscaled", route_prefix="/")
+    )
+    try:
+        async with IntoneClient(cluster.ws) as client:
+            streams = [await client.stream(options={"seed": s}) for s in (5, 6)]
+            for stream in streams:
+                await stream.push_text("Streams held open so the engine reports load")
+            deadline = time.monotonic() + 90
+            while _running_replicas("autoscaled") < 2:
+                assert time.monotonic() < deadline, "no second replica"
+                await asyncio.sleep(1.0)
+            for stream in streams:
+                await stream.cancel()
+    finally:
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: serve.delete("autoscaled", _blocking=True)
+        )
+
+
+def _running_replicas(app_name: str) -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
