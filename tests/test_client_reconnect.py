@@ -129,6 +129,31 @@ async def test_without_reconnect_a_drop_ends_every_stream(servers):
         assert client.reconnects == 0
 
 
+async def test_plugins_remote_backend_retries_an_unheard_turn(servers):
+    """The LiveKit plugin's and the Pipecat service's remote mode (RemoteBackend) ride on the
+    same reconnect: a turn cut before its first audio still speaks."""
+    from intone.engine import AudioChunk
+    from intone.provider.shared import RemoteBackend
+
+    a, b = servers
+    async with Relay(f"ws://127.0.0.1:{a.port}") as relay:
+        backend = RemoteBackend(relay.url)
+        try:
+            turn = await backend.open_stream(None, {"seed": 6})
+            await turn.push_text("A plugin turn cut off")
+            relay.upstream = f"ws://127.0.0.1:{b.port}"
+            relay.drop_all()
+            await turn.push_text(" before it spoke.")
+            await turn.end_input()
+
+            async def audio() -> int:
+                return sum([len(e.samples) async for e in turn if isinstance(e, AudioChunk)])
+
+            assert await asyncio.wait_for(audio(), 60) > 0
+        finally:
+            await backend.aclose()
+
+
 # Last: server A stays drained.
 async def test_drain_cancel_before_first_audio_retries_elsewhere(servers):
     a, b = servers
