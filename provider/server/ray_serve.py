@@ -242,6 +242,10 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
             if self._watcher is None:
                 self._watcher = asyncio.get_running_loop().create_task(self._watch())
             runtime = self.runtime
+            if self._stopping:
+                # Health checks came back after a silence taken for a stop (a busy controller):
+                # this replica has drained and refuses streams, so have Ray replace it.
+                raise RuntimeError("drained after health checks stopped; replace this replica")
             reason = await _unhealthy(runtime)
             if reason is not None:
                 if not runtime.draining:
@@ -252,7 +256,7 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
         async def _watch(self) -> None:
             """Drain when health checks stop (Ray stops them once a replica is stopping), and
             copy the metrics into Ray's gauges."""
-            silence = max(3 * ray_options.health_check_period_s, 5.0)
+            silence = stop_silence(ray_options)
             while not self.runtime.closed:
                 await asyncio.sleep(min(ray_options.metrics_interval, 1.0))
                 with contextlib.suppress(Exception):
@@ -294,6 +298,11 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
                 gauge.set(float(value))
 
     return IntoneReplica
+
+
+def stop_silence(options: RayOptions) -> float:
+    """Seconds without a health check after which a replica takes itself for stopping."""
+    return max(5 * options.health_check_period_s, 10.0)
 
 
 async def _unhealthy(runtime: Any) -> str | None:
@@ -352,7 +361,7 @@ def build_deployment(serve_options: Any, ray_options: RayOptions) -> Any:
         "health_check_period_s": health_period,
         "health_check_timeout_s": max(10.0, 5 * health_period),
         # Stop detection (a few silent health-check periods) + the drain + its settling.
-        "graceful_shutdown_timeout_s": max(3 * health_period, 5.0) + drain + 10.0,
+        "graceful_shutdown_timeout_s": stop_silence(ray_options) + drain + 10.0,
         "graceful_shutdown_wait_loop_s": 1.0,
         "request_router_config": RequestRouterConfig(
             request_router_class=EngineLoadRouter,
