@@ -23,8 +23,11 @@ Usage::
 
 API summary:
 
-* `IntoneClient(url, *, open_timeout=10.0)`: `await connect()` / `await close()` or
-  `async with`. `hello` is the server's greeting (model sample rate, voices, limits).
+* `IntoneClient(url, *, api_key=None, open_timeout=10.0)`: `await connect()` / `await close()`
+  or `async with`. `api_key` (default: the `INTONE_API_KEY` environment variable) is sent as
+  `Authorization: Bearer`; a server that refuses it raises `IntoneError` with code
+  "unauthorized" from `connect()`. `hello` is the server's greeting (`protocol.HelloEvent`:
+  model, version, sample rate, voices, limits).
   `await stream(voice=None, sample_rate=None, format="pcm_s16le", options=None, text=None,
   end=False)` starts a stream and returns once the server has accepted it (raises `IntoneError`
   with `.code`, e.g. "unknown_voice", if not). `await synthesize(text, ...) -> bytes`.
@@ -55,6 +58,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -113,6 +117,7 @@ class ClientStream:
         self.channel: int | None = None
         self.request_id: str | None = None
         self.voice: str | None = None
+        self.model: str | None = None  # the served model's name
         self.sample_rate: int | None = None
         self.metrics: dict[str, Any] | None = None
         self.clauses: list[protocol.ClauseDoneEvent] = []
@@ -233,6 +238,7 @@ class ClientStream:
             self.channel = event.channel
             self.request_id = event.request_id
             self.voice = event.voice
+            self.model = event.model
             self.sample_rate = event.sample_rate
             self.format = event.format
             if not self._started.done():
@@ -317,8 +323,16 @@ class ClientStream:
 class IntoneClient:
     """A connection to an intone server carrying any number of concurrent streams."""
 
-    def __init__(self, url: str, *, open_timeout: float = 10.0, reconnect: bool = False):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        open_timeout: float = 10.0,
+        reconnect: bool = False,
+    ):
         self.url = ws_url(url)
+        self.api_key = api_key if api_key is not None else os.environ.get("INTONE_API_KEY")
         self.open_timeout = open_timeout
         self.reconnect = reconnect
         self.reconnects = 0
@@ -347,8 +361,13 @@ class IntoneClient:
 
     async def _open(self) -> None:
         # Audio barely compresses and deflate costs latency: no permessage-deflate.
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         ws = await connect(
-            self.url, open_timeout=self.open_timeout, compression=None, max_size=2**24
+            self.url,
+            open_timeout=self.open_timeout,
+            compression=None,
+            max_size=2**24,
+            additional_headers=headers,
         )
         try:
             raw = await asyncio.wait_for(ws.recv(), self.open_timeout)
@@ -397,8 +416,12 @@ class IntoneClient:
         text: str | None = None,
         end: bool = False,
         stream_id: str | None = None,
+        model: str | None = None,
     ) -> ClientStream:
-        """Start a stream; returns once the server accepted it, raises IntoneError if not."""
+        """Start a stream; returns once the server accepted it, raises IntoneError if not.
+
+        `model`: one of the server's models (`hello.models`) by name or alias; None: its default.
+        """
         stream_id = stream_id or f"s{next(self._ids)}"
         if stream_id in self._streams:
             raise ValueError(f"stream id {stream_id!r} is in use on this client")
@@ -413,6 +436,7 @@ class IntoneClient:
                 options=dict(options or {}),
                 text=text,
                 end=end,
+                model=model,
             )
             assert stream._replay is not None
             stream._replay.append(start)
@@ -430,9 +454,12 @@ class IntoneClient:
         sample_rate: int | None = None,
         format: str = DEFAULT_FORMAT,
         options: dict[str, Any] | None = None,
+        model: str | None = None,
     ) -> bytes:
         """All the audio of `text` as PCM bytes."""
-        stream = await self.stream(voice, sample_rate, format, options, text=text, end=True)
+        stream = await self.stream(
+            voice, sample_rate, format, options, text=text, end=True, model=model
+        )
         try:
             return b"".join([pcm async for pcm in stream])
         except BaseException:
