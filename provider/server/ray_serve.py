@@ -134,25 +134,26 @@ def ray_limits(engine: EngineConfig, settings: ServerSettings, options: RayOptio
 def engine_load(runtime: Any) -> dict[str, float]:
     """A replica's load for routing and autoscaling: all numbers (Ray's requirement).
 
-    `load` is the occupancy, 0..1 and more: streams open over the engine's batch size (a stream
-    holds a row, or will as soon as it has text), or generating plus queued requests, whichever
-    is larger.
+    `load` is the occupancy, 0..1 and more: streams open over the batch size (a stream holds a
+    row, or will as soon as it has text), or the fullest engine's generating plus queued
+    requests over its batch, whichever is larger. (A replica serving several models runs an
+    engine each; its streams are counted against the default model's batch.)
     """
-    engine = runtime.engine
-    if engine is None:
-        return {"load": 0.0, "streams": 0.0, "rows": 0.0, "queued": 0.0, "kv_pages": 0.0}
-    m = engine.metrics()
-    capacity = engine.config.max_active
-    streams = len(runtime.streams)
-    busy = m["active_requests"] + m["queued_requests"]
-    return {
-        "load": max(streams, busy) / capacity,
-        "streams": float(streams),
-        "rows": float(m["active_requests"]),
-        "queued": float(m["queued_requests"]),
-        "kv_pages": float(m["kv_pages_in_use"]),
-        "connections": float(len(runtime.connections)),
-    }
+    engines = runtime.engines
+    streams = float(len(runtime.streams))
+    load = {"load": 0.0, "streams": streams, "rows": 0.0, "queued": 0.0, "kv_pages": 0.0}
+    load["connections"] = float(len(runtime.connections))
+    if not engines:
+        return load
+    busy = 0.0
+    for engine in engines:
+        m = engine.metrics()
+        load["rows"] += m["active_requests"]
+        load["queued"] += m["queued_requests"]
+        load["kv_pages"] += m["kv_pages_in_use"]
+        busy = max(busy, (m["active_requests"] + m["queued_requests"]) / engine.config.max_active)
+    load["load"] = max(streams / engines[0].config.max_active, busy)
+    return load
 
 
 def engine_load_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -280,22 +281,27 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
         def _export_metrics(self) -> None:
             from ray.serve.metrics import Gauge
 
-            engine = self.runtime.engine
-            if engine is None:
-                return
-            values = dict(engine.metrics())
-            for key, value in self.runtime.metrics.snapshot().items():
-                values[f"server_{key}"] = value
-            values.update({f"load_{k}": v for k, v in engine_load(self.runtime).items()})
-            for key, value in values.items():
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    continue
-                gauge = self._gauges.get(key)
-                if gauge is None:
-                    gauge = self._gauges[key] = Gauge(
-                        f"intone_{key}", description=f"intone replica: {key.replace('_', ' ')}"
-                    )
-                gauge.set(float(value))
+            runtime = self.runtime
+            rows: list[tuple[str, dict[str, Any]]] = [
+                (model.name, model.engine.metrics())
+                for model in runtime.models
+                if model.engine is not None and runtime.voices is not None
+            ]
+            replica = {f"server_{k}": v for k, v in runtime.metrics.snapshot().items()}
+            replica.update({f"load_{k}": v for k, v in engine_load(runtime).items()})
+            rows.append(("", replica))
+            for model, values in rows:
+                for key, value in values.items():
+                    if isinstance(value, bool) or not isinstance(value, int | float):
+                        continue
+                    gauge = self._gauges.get(key)
+                    if gauge is None:
+                        gauge = self._gauges[key] = Gauge(
+                            f"intone_{key}",
+                            description=f"intone replica: {key.replace('_', ' ')}",
+                            tag_keys=("model",),
+                        )
+                    gauge.set(float(value), tags={"model": model})
 
     return IntoneReplica
 
@@ -312,18 +318,16 @@ async def _unhealthy(runtime: Any) -> str | None:
     if runtime.closed:
         return "closed"
     try:
-        engine = await runtime.ready()
+        await runtime.ready()
     except EngineUnavailableError as e:
         return f"the engine could not be started: {e}"
-    # TODO(faults): Engine.health() arrives with the fault issue; switch to it after merging.
-    health = getattr(engine, "health", None)
-    if health is None:
-        return None
-    status = health()
-    healthy = getattr(status, "ok", getattr(status, "healthy", status))
-    if healthy:
-        return None
-    return str(getattr(status, "reason", None) or getattr(status, "error", None) or status)
+    for engine in runtime.engines:
+        # TODO(faults): Engine.health() arrives with the fault issue; call it directly then.
+        health = getattr(engine, "health", None)
+        status = health() if health is not None else None
+        if status is not None and not status.ok:
+            return status.reason or "the engine is unhealthy"
+    return None
 
 
 def _replica_name() -> str:
@@ -407,9 +411,10 @@ def serve_ray(serve_options: Any, ray_options: RayOptions) -> None:
     from ray import serve
 
     from intone.provider.server.logs import configure_logging
+    from intone.provider.server.serve import prepare_settings
 
     configure_logging(serve_options.log_level, serve_options.log_json)
-    serve_options.settings.validate()
+    prepare_settings(serve_options)  # the proxy binds --host: the same Host check and warning
     ray_options.validate()
     app = build_deployment(serve_options, ray_options)
     ray.init(address=ray_options.address, include_dashboard=False, log_to_driver=True)
@@ -502,6 +507,9 @@ def app_builder(args: dict[str, Any]) -> Any:
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
+        elif isinstance(value, list):  # a repeatable flag: model, api_key, voice_alias, ...
+            for item in value:
+                argv += [flag, str(item)]
         elif value is not False and value is not None:
             argv += [flag, str(value)]
     parsed = build_parser().parse_args(argv)
