@@ -28,6 +28,7 @@ from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
+from intone.engine.precision import resolve_precision
 from intone.engine.scheduler import Scheduler, VoicePrefix
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import AudioChunk, ClauseDone, Stream
@@ -50,9 +51,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     device: str = "cpu"
-    # "bfloat16" runs the FlowLM transformer and its KV cache in bf16: about twice the speed on
-    # CPUs with AVX-512 BF16, at a tolerance of its own against float32 (docs/benchmarks.md).
-    dtype: str = "float32"
+    # Precision policy (engine/precision.py): "auto" is the fastest that holds the fast path's
+    # tolerance against float32 on this device; "float32" runs everything in float32; "bfloat16"
+    # the FlowLM in bf16 (and on the CPU the Mimi decoder transformer in int8).
+    dtype: str = "auto"
     # Intra-op threads for torch (process-wide). None: half the cores, since the AR and decoder
     # stages run at once on two threads (measured on 2 cores: 9.4 audio-s/s at 8 streams with
     # one thread each against 6.6 with two; docs/benchmarks.md). 0 leaves torch's setting.
@@ -76,8 +78,7 @@ class EngineConfig:
     clause_max_tokens: int = 50
 
     def validate(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, not {self.dtype!r}")
+        resolve_precision(self.dtype, self.device)
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
         for name in positive + ("max_decode_frames",):
             if getattr(self, name) < 1:
@@ -96,10 +97,11 @@ class Engine:
         if threads:
             torch.set_num_threads(threads)
         self.model = loaded.model
-        if config.dtype != "float32":
+        precision = resolve_precision(config.dtype, config.device)
+        if precision.flow_lm != torch.float32:
             # The loaded model may be shared with float32 users: cast a copy.
             self.model = copy.deepcopy(loaded.model)
-            self.model.flow_lm.transformer.to(getattr(torch, config.dtype))
+            self.model.flow_lm.transformer.to(precision.flow_lm)
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
         slot_bytes = 2 * flow_lm.num_layers * flow_lm.dim * flow_lm.transformer.dtype.itemsize
@@ -114,6 +116,7 @@ class Engine:
             config.flow_steps,
             self.device,
             config.batch_buckets,
+            decoder_int8=precision.decoder_int8,
         )
         self.scheduler = Scheduler(
             self.runner, self.blocks, config.max_active, config.max_prefill_tokens

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.flow_head import draw_noise
+from intone.engine.models.pocket.gemm_decoder import make_decoder
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
@@ -28,6 +29,7 @@ class ModelRunner:
         flow_steps: int,
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
+        decoder_int8: bool = False,
     ):
         self.model = model
         self.flow_lm = model.flow_lm
@@ -45,7 +47,8 @@ class ModelRunner:
             dtype=transformer.dtype,
             device=device,
         )
-        self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)
+        self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
+        self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
 
     def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
         """A clause's prompt: the chaining tail as extra voice frames, then the text."""
@@ -135,6 +138,6 @@ class ModelRunner:
         """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim]."""
         index = torch.tensor(slots, device=self.device)
         state = self.decoder_states.gather(index)
-        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents), state)
+        audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
         self.decoder_states.scatter(index, state)
         return audio[:, 0]
