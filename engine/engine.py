@@ -33,6 +33,7 @@ from intone.engine.scheduler import Scheduler, VoicePrefix
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import AudioChunk, ClauseDone, Stream
 from intone.engine.text import ClauseSplitter
+from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice, load_voice
 
 __all__ = [
@@ -55,9 +56,10 @@ class EngineConfig:
     # tolerance against float32 on this device; "float32" runs everything in float32; "bfloat16"
     # the FlowLM in bf16 (and on the CPU the Mimi decoder transformer in int8).
     dtype: str = "auto"
-    # Intra-op threads for torch (process-wide). None: half the cores, since the AR and decoder
-    # stages run at once on two threads (measured on 2 cores: 9.4 audio-s/s at 8 streams with
-    # one thread each against 6.6 with two; docs/benchmarks.md). 0 leaves torch's setting.
+    # Intra-op threads for torch (process-wide). None: the cores divided among the stages busy at
+    # the moment (engine/thread_budget.py): half each while the AR and decoder stages both run
+    # (measured on 2 cores: 9.4 audio-s/s at 8 streams with one thread each against 6.6 with
+    # two; docs/benchmarks.md), all of them for a stage running alone. 0 leaves torch's setting.
     torch_threads: int | None = None
     # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
     # None runs every batch at its own size, which is cheaper on a CPU.
@@ -92,8 +94,10 @@ class Engine:
         self.loaded = loaded
         self.device = torch.device(config.device)
         threads = config.torch_threads
+        budget = None
         if threads is None:
-            threads = max(1, (os.cpu_count() or 2) // 2)
+            budget = ThreadBudget(os.cpu_count() or 2)
+            threads = budget.threads_for(2)
         if threads:
             torch.set_num_threads(threads)
         self.model = loaded.model
@@ -117,6 +121,7 @@ class Engine:
             self.device,
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
+            thread_budget=budget,
         )
         self.scheduler = Scheduler(
             self.runner, self.blocks, config.max_active, config.max_prefill_tokens
