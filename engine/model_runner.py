@@ -13,6 +13,7 @@ lock) before asking for a step, so a failed step can be retried on the same page
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,11 @@ import torch
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.flow_head import draw_noise
+from intone.engine.models.pocket.gemm_decoder import make_decoder
 from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
+from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
 
 
@@ -45,6 +48,8 @@ class ModelRunner:
         flow_steps: int,
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
+        decoder_int8: bool = False,
+        thread_budget: ThreadBudget | None = None,
     ):
         self.model = model
         self.flow_lm = model.flow_lm
@@ -56,7 +61,10 @@ class ModelRunner:
         self.pool = self.flow_lm.new_kv_pool(
             (blocks.num_pages + 1) * blocks.page_size, device=device
         )
-        self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)
+        # Stage calls count themselves busy so torch's threads follow the busy stage.
+        self.threads = thread_budget
+        self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
+        self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
 
     @torch.no_grad()
     def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
@@ -110,7 +118,8 @@ class ModelRunner:
     def prefill_step(
         self, prompts: torch.Tensor, positions: torch.Tensor, attention: SlotAttention
     ) -> None:
-        self.flow_lm.backbone(prompts, positions, attention)
+        with self._busy():
+            self.flow_lm.backbone(prompts, positions, attention)
 
     def prefill(self, requests: list[Request]) -> None:
         """One packed pass over the prompts of `requests`: no padding, one sequence each."""
@@ -153,10 +162,11 @@ class ModelRunner:
     def generate_step(self, inputs: GenerateInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(latents [B', latent_dim], EOS flags [B'] as bool), on the device."""
         flow_lm = self.flow_lm
-        z = flow_lm.backbone(
-            flow_lm.embed_latents(inputs.previous), inputs.positions, inputs.attention
-        )
-        latents = flow_lm.sample_latent(z, inputs.noise, self.flow_steps)
+        with self._busy():
+            z = flow_lm.backbone(
+                flow_lm.embed_latents(inputs.previous), inputs.positions, inputs.attention
+            )
+            latents = flow_lm.sample_latent(z, inputs.noise, self.flow_steps)
         return latents, flow_lm.eos_logit(z) > inputs.eos_thresholds
 
     def generate(
@@ -166,6 +176,10 @@ class ModelRunner:
         inputs = self.generate_inputs(requests, noise)
         latents, eos = self.generate_step(inputs)
         return latents[: inputs.rows], eos[: inputs.rows]
+
+    def _busy(self) -> contextlib.AbstractContextManager:
+        """Stage calls count themselves busy so torch's threads follow the busy stage."""
+        return self.threads.busy() if self.threads else contextlib.nullcontext()
 
     def _bucket(self, rows: int) -> int:
         """Rows padded to the next batch bucket, so steps take a few fixed shapes."""
@@ -179,9 +193,10 @@ class ModelRunner:
     def decode_step(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim] of the
         decoder rows `index`; each row's history advances only when the whole call succeeds."""
-        state = self.decoder_states.gather(index)
-        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents), state)
-        self.decoder_states.scatter(index, state)
+        with self._busy():
+            state = self.decoder_states.gather(index)
+            audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
+            self.decoder_states.scatter(index, state)
         return audio[:, 0]
 
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:

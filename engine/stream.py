@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -21,14 +22,15 @@ from intone.engine.errors import (
     StreamClosedError,
     TextTooLongError,
 )
-from intone.engine.events import AudioChunk, ClauseDone
+from intone.engine.events import AudioChunk, ClauseDone, WordTiming
 from intone.engine.sequence import Clause, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter
+from intone.engine.timeline import Timeline
 
 if TYPE_CHECKING:
     from intone.engine.engine import Engine
 
-__all__ = ["AudioChunk", "ClauseDone", "Stream"]
+__all__ = ["AudioChunk", "ClauseDone", "Stream", "WordTiming"]
 
 
 class Stream:
@@ -45,6 +47,9 @@ class Stream:
         self._chars = 0
         self._clauses = 0
         self._has_text = False
+        # Speed and clause/word timing, applied as events reach the caller.
+        self._timeline = Timeline.for_stream(engine.loaded, request.options)
+        self._ready: deque[AudioChunk | ClauseDone] = deque()
 
     @property
     def id(self) -> str:
@@ -81,6 +86,7 @@ class Stream:
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
+        self._ready.clear()
         self.request.unread_seconds = 0.0
         self._events.put_nowait(None)
 
@@ -128,18 +134,29 @@ class Stream:
         return self
 
     async def __anext__(self) -> AudioChunk | ClauseDone:
-        if self._ended:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if event is None:
-            self._ended = True
-            raise StopAsyncIteration
-        if isinstance(event, Exception):
-            self._ended = True
-            raise event
-        if isinstance(event, AudioChunk):
-            self.request.unread_seconds -= len(event.samples) / self._engine.sample_rate
-        return event
+        while not self._ready:
+            if self._ended:
+                raise StopAsyncIteration
+            event = await self._events.get()
+            if event is None:
+                self._ended = True
+                if not self.request.cancelled:  # a cancelled stream delivers nothing more
+                    tail = self._timeline.end()
+                    if len(tail):
+                        self._ready.append(AudioChunk(tail, self._timeline.last_clause))
+            elif isinstance(event, Exception):
+                self._ended = True
+                raise event
+            elif isinstance(event, AudioChunk):
+                self.request.unread_seconds -= len(event.samples) / self._engine.sample_rate
+                chunk = self._timeline.audio(event)
+                if chunk is not None:
+                    self._ready.append(chunk)
+            elif isinstance(event, ClauseDone):
+                self._ready.append(self._timeline.clause_done(event))
+            else:
+                self._ready.append(event)
+        return self._ready.popleft()
 
     async def audio(self) -> AsyncIterator[np.ndarray]:
         async for event in self:
