@@ -28,6 +28,7 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
+from pipecat.transcriptions.language import Language
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
@@ -39,6 +40,8 @@ from intone.engine import (
     EngineError,
     EngineFullError,
     LoadedModel,
+    UnknownModelError,
+    releases,
 )
 from intone.provider import shared
 
@@ -139,6 +142,12 @@ class IntoneTTSService(TTSService):
 
     Remote mode: `base_url="ws://host:port"` sends the text to an `intone serve` process (its
     engine batches the requests of every client) through `intone.provider.client`.
+
+    Languages: `language=Language.FR` speaks with that language's model (`french_24l`, as
+    Pipecat's Pocket TTS service maps it; one model per language, `intone models`), `model=` with
+    any model. A `language` or `model` settings update moves later turns to that model's engine
+    (in-process, its shared engine is loaded on first use); a language without a model fails
+    those turns with an error naming the languages there are, rather than speaking English.
     """
 
     Settings = IntoneTTSSettings
@@ -148,6 +157,7 @@ class IntoneTTSService(TTSService):
         self,
         *,
         model: str | Path | LoadedModel | None = None,
+        language: Language | str | None = None,
         base_url: str | None = None,
         engine: Engine | None = None,
         engine_config: EngineConfig | None = None,
@@ -160,8 +170,10 @@ class IntoneTTSService(TTSService):
         """Create the service; in-process, the shared engine is loaded here (once per process).
 
         Args:
-            model: checkpoint directory, config .yaml, hf:// path or "kyutai/pocket-tts" (the
-                default); a `LoadedModel` also works.
+            model: a released model's name (`intone models`), checkpoint directory, config
+                .yaml, hf:// path or "kyutai/pocket-tts" (the default); a `LoadedModel` also
+                works. In remote mode, one of the server's models.
+            language: speak with this language's model (when `model` is not given).
             base_url: an `intone serve` address; speech is then made by that server.
             engine: an engine you built and own: used as is, never closed by the service.
             engine_config: settings for the shared engine if this service creates it.
@@ -173,16 +185,22 @@ class IntoneTTSService(TTSService):
         """
         if base_url is not None and engine is not None:
             raise ValueError("pass either base_url (remote) or engine (in-process), not both")
-        if isinstance(model, LoadedModel):
-            model_name = model.source
+        if engine is not None and (model is not None or language is not None):
+            raise ValueError("an engine of yours speaks its own model: no model= or language=")
+        # The model new turns speak with, or why there is none (an unknown language).
+        self._model: shared.ModelSpec | UnknownModelError = shared.pick_model(
+            model, None if language is None else str(language)
+        )
+        if isinstance(self._model, LoadedModel):
+            model_name = self._model.source
         elif engine is not None:
             model_name = engine.loaded.source
         else:
-            model_name = str(model) if model is not None else "kyutai/pocket-tts"
+            model_name = str(self._model) if self._model is not None else "kyutai/pocket-tts"
         default_settings = self.Settings(
             model=model_name,
             voice=None,
-            language=None,
+            language=language,
             **{name: None for name in GENERATION_FIELDS},
         )
         if settings is not None:
@@ -201,18 +219,30 @@ class IntoneTTSService(TTSService):
         self._failed: set[str] = set()  # contexts whose stream could not be opened or fed
         # Pipecat's local TTS services load their model in the constructor; the registry makes
         # that once per process, and every later service of the same model shares the engine.
-        self._backend: shared.SpeechBackend
-        if base_url is not None:
-            self._backend = shared.RemoteBackend(base_url)
-        elif engine is not None:
-            self._backend = shared.EngineBackend(shared.borrow(engine))
-        else:
-            self._backend = shared.EngineBackend(shared.acquire(model, config=engine_config))
+        if model is None and engine is None and language is None:
+            # A language in `settings` picks the model as `language=` does.
+            chosen = self._settings.language
+            if is_given(chosen) and chosen is not None:
+                self._model = _language_model(str(chosen))
+                self._settings.model = str(self._model)
+        self._backends = shared.Backends(base_url=base_url, engine=engine, config=engine_config)
+        self._backends.get_sync(self._model)
 
     @property
     def engine(self) -> Engine | None:
-        """The in-process engine (None in remote mode)."""
-        return self._backend.shared_engine
+        """The in-process engine of the current model (None in remote mode)."""
+        if isinstance(self._model, UnknownModelError):
+            return None
+        backend = self._backends.current(self._model)
+        return backend.shared_engine if backend is not None else None
+
+    def language_to_service_language(self, language: Language) -> str | None:
+        """The model of `language` (what `settings.language` then holds); None if there is
+        none, which `_update_settings` reports."""
+        try:
+            return releases.model_for_language(str(language))
+        except UnknownModelError:
+            return None
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -224,27 +254,33 @@ class IntoneTTSService(TTSService):
 
     async def _update_settings(self, delta: TTSSettings) -> dict[str, Any]:
         changed = await super()._update_settings(delta)
-        # Voice and generation settings are read when a turn's stream opens; the model is fixed.
-        unhandled = {k: v for k, v in changed.items() if k in ("model", "language")}
-        if unhandled:
-            self._warn_unhandled_updated_settings(unhandled)
+        # Voice, generation settings and the model are read when a turn's stream opens.
+        if "model" in changed and self._settings.model is not None:
+            self._model = str(self._settings.model)
+        elif "language" in changed and self._settings.language is not None:
+            try:
+                self._model = _language_model(str(self._settings.language))
+            except UnknownModelError as e:
+                self._model = e
+                await self.push_error(error_msg=str(e), exception=e)
         return changed
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
-        if isinstance(self._backend, shared.RemoteBackend):
+        remote = self._backends.remote
+        if remote is not None:
             # Connect now rather than on the first turn's text; a failure is reported then.
             try:
-                await self._backend.connect()
+                await remote.connect()
             except Exception as e:
-                logger.warning("%s: cannot reach %s yet: %s", self, self._backend.base_url, e)
+                logger.warning("%s: cannot reach %s yet: %s", self, remote.base_url, e)
 
     async def cleanup(self) -> None:
         await super().cleanup()
         for turn in list(self._turns.values()):
             await self._drop_turn(turn)
-        # Gives this service's hold on the shared engine back; other holders keep it running.
-        await self._backend.aclose()
+        # Gives this service's hold on the shared engines back; other holders keep them running.
+        await self._backends.aclose()
 
     # ---- text in
 
@@ -298,8 +334,10 @@ class IntoneTTSService(TTSService):
 
     async def _open_turn(self, context_id: str) -> _Turn:
         # A remote server resamples to the rate asked for; the local engine yields its own.
-        speech = await self._backend.open_stream(
-            self._settings.voice, self._settings.generation(), self.sample_rate
+        if isinstance(self._model, UnknownModelError):
+            raise self._model
+        speech = await self._backends.open_stream(
+            self._model, self._settings.voice, self._settings.generation(), self.sample_rate
         )
         resampler = None
         if speech.sample_rate != self.sample_rate:
@@ -394,6 +432,14 @@ class IntoneTTSService(TTSService):
         frame = ErrorFrame(error=message, exception=e)
         frame.category = _error_category(e)
         return frame
+
+
+def _language_model(language: str) -> str:
+    """The model of a settings language: known languages arrive as their model's name
+    (`language_to_service_language`), others as given (UnknownModelError names the known)."""
+    if releases.release_name(language) is not None:
+        return language
+    return releases.model_for_language(language)
 
 
 def _error_category(e: Exception) -> ErrorCategory:
