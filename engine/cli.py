@@ -90,6 +90,11 @@ def _say(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from intone.provider.server.serve import options_from_args, serve
 
+    if args.ray:
+        from intone.provider.server.ray_serve import ray_options_from_args, serve_ray
+
+        serve_ray(options_from_args(args), ray_options_from_args(args))
+        return
     serve(options_from_args(args))
 
 
@@ -183,12 +188,54 @@ def build_parser() -> argparse.ArgumentParser:
         "--voice-alias", action="append", default=[], metavar="NAME=VOICE",
         help="map a requested voice name (e.g. an OpenAI one: alloy) to a registry voice",
     )  # fmt: skip
+    # Access and limits (docs/server.md, "Running it on the internet"). Defaults: ServerSettings.
+    serve.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="require this API key (repeatable; also INTONE_API_KEYS=k1,k2). Off by default",
+    )  # fmt: skip
+    serve.add_argument(
+        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
+        help="web origins (https://app.example.com) allowed besides the server's own; '*': any",
+    )  # fmt: skip
+    serve.add_argument(
+        "--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
+        help="Host header names served (default on loopback: localhost, 127.0.0.1, ::1)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--public-metrics", action="store_true", help="/metrics and /stats without a key"
+    )
+    serve.add_argument("--max-connections", type=int, default=512, help="server-wide; 0: no limit")
+    serve.add_argument(
+        "--max-streams-per-client", type=int, default=128,
+        help="concurrent streams per API key (or client address without keys); 0: no limit",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-chars-per-minute", type=int, default=0,
+        help="text per API key (or client address) per minute; 0: no limit",
+    )  # fmt: skip
     serve.add_argument("--max-streams-per-connection", type=int, default=32)
     serve.add_argument("--max-message-bytes", type=int, default=64 * 1024)
+    serve.add_argument("--max-request-bytes", type=int, default=256 * 1024)
+    serve.add_argument("--max-text-chars", type=int, default=20_000, help="text per stream")
+    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="S")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S")
+    serve.add_argument("--ws-idle-timeout", type=float, default=300.0, metavar="S")
+    serve.add_argument("--max-stream-seconds", type=float, default=1200.0, metavar="S")
+    serve.add_argument(
+        "--max-buffered-audio", type=float, default=10.0, metavar="S",
+        help="seconds of audio queued per stream for a client before generation waits",
+    )  # fmt: skip
+    serve.add_argument(
+        "--slow-client-timeout", type=float, default=30.0, metavar="S",
+        help="drop a client that takes no audio for this long (WebSocket close 4409)",
+    )  # fmt: skip
     serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
     serve.add_argument("--kv-memory-mb", type=float, default=256.0)
     serve.add_argument("--device", default="cpu")
+    from intone.provider.server.ray_serve import add_ray_arguments  # intone serve --ray
+
+    add_ray_arguments(serve)
     serve.set_defaults(run=_serve)
     return parser
 

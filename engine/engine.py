@@ -396,7 +396,8 @@ class Engine:
             if request.progress.ended:
                 request.phase = Phase.DRAINING
                 clause = request.clause
-                done = ClauseDone(clause.index, clause.text, len(request.latents))
+                eos = request.progress.eos_step
+                done = ClauseDone(clause.index, clause.text, len(request.latents), eos)
                 self.decoder.put(ClauseEndItem(request, done))
 
     # ---- callbacks from the decoder worker

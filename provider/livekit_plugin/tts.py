@@ -20,9 +20,11 @@ an error naming the languages there are, never spoken in English.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass, replace
+import contextlib
+import weakref
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from livekit.agents import (
     APIConnectionError,
@@ -34,8 +36,10 @@ from livekit.agents import (
     tts,
     utils,
 )
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
+from livekit.agents.telemetry import trace_types
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr, TimedString
 from livekit.agents.utils import aio, is_given
+from opentelemetry import trace
 
 from intone.engine import (
     AudioChunk,
@@ -51,6 +55,8 @@ from intone.provider import shared
 
 from .log import logger
 from .models import TTSModels, TTSVoices
+
+_S = TypeVar("_S", "ChunkedStream", "SynthesizeStream")
 
 # Pocket TTS's Mimi codec runs at 24 kHz; the audio is resampled if a model says otherwise.
 SAMPLE_RATE = 24000
@@ -70,12 +76,14 @@ class _TTSOptions:
     noise_clamp: float | None
     seed: int | None
     chain_frames: int | None
+    speed: float | None
+    normalize: bool | None
 
     def generation(self) -> dict[str, Any]:
         """The generation settings given, for the engine or the server."""
-        return {
-            k: v for k, v in asdict(self).items() if k not in ("voice", "model") and v is not None
-        }
+        # Not asdict(): it would deep-copy a LoadedModel.
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if k not in ("voice", "model") and v is not None}
 
 
 class TTS(tts.TTS):
@@ -96,6 +104,8 @@ class TTS(tts.TTS):
         noise_clamp: float | None = None,
         seed: int | None = None,
         chain_frames: int | None = None,
+        speed: float | None = None,
+        normalize: bool | None = None,
     ) -> None:
         """Create intone TTS.
 
@@ -117,9 +127,22 @@ class TTS(tts.TTS):
             temperature, eos_threshold, frames_after_eos, max_frames, noise_clamp, seed,
                 chain_frames: generation settings (`intone.engine.GenerationOptions`); None
                 keeps the model's defaults.
+            speed: speaking rate, 0.5 to 2.0 (pitch kept); None is 1.0.
+            normalize: read numbers, prices, dates, times, URLs... as words (the engine's
+                `normalize_text`); None is on. Markdown and emoji are left to LiveKit's own
+                `tts_text_transforms`, which run before the text gets here.
+
+        Word timing: every clause's words reach LiveKit as `TimedString`s
+        (`aligned_transcript=True`), with the engine's estimated times (token-weighted within
+        each clause, see `intone.engine.timeline`), so the transcript follows the audio and an
+        interrupted turn keeps only the words that were heard.
+
+        TTFB: LiveKit measures it from the first text sent to this TTS to the first audio frame
+        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (4
+        tokens, or a flush), the engine's admission queue and its first frame.
         """
         super().__init__(
-            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=False),
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
             sample_rate=sample_rate,
             num_channels=NUM_CHANNELS,
         )
@@ -138,7 +161,14 @@ class TTS(tts.TTS):
             noise_clamp=noise_clamp,
             seed=seed,
             chain_frames=chain_frames,
+            speed=speed,
+            normalize=normalize,
         )
+        # Streams in flight, so that aclose() can close them (with their event loop: an
+        # instance may serve several, one per job in the thread executor).
+        self._streams: weakref.WeakKeyDictionary[
+            tts.ChunkedStream | tts.SynthesizeStream, asyncio.AbstractEventLoop
+        ] = weakref.WeakKeyDictionary()
         self._closed = False
         self._prewarm_task: asyncio.Task[None] | None = None
 
@@ -146,6 +176,10 @@ class TTS(tts.TTS):
     def model(self) -> str:
         """The model new streams speak with."""
         model = self._opts.model
+        remote = self._backends.remote
+        if remote is not None and model is None:
+            # The server's default model, from its hello; until the first connection, unknown.
+            return remote.server_model or "unknown"
         if isinstance(model, LoadedModel):
             return model.source
         if self._own_engine is not None:
@@ -154,7 +188,7 @@ class TTS(tts.TTS):
 
     @property
     def provider(self) -> str:
-        return self._base_url or "intone"
+        return "intone"
 
     @property
     def engine(self) -> Engine | None:
@@ -175,6 +209,8 @@ class TTS(tts.TTS):
         noise_clamp: NotGivenOr[float | None] = NOT_GIVEN,
         seed: NotGivenOr[int | None] = NOT_GIVEN,
         chain_frames: NotGivenOr[int | None] = NOT_GIVEN,
+        speed: NotGivenOr[float | None] = NOT_GIVEN,
+        normalize: NotGivenOr[bool | None] = NOT_GIVEN,
     ) -> None:
         """Change the options of streams created from now on (streams in flight keep theirs).
 
@@ -197,18 +233,25 @@ class TTS(tts.TTS):
             "noise_clamp": noise_clamp,
             "seed": seed,
             "chain_frames": chain_frames,
+            "speed": speed,
+            "normalize": normalize,
         }
         self._opts = replace(self._opts, **{k: v for k, v in given.items() if is_given(v)})
 
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> ChunkedStream:
-        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+        return self._track(ChunkedStream(tts=self, input_text=text, conn_options=conn_options))
 
     def stream(
         self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> SynthesizeStream:
-        return SynthesizeStream(tts=self, conn_options=conn_options)
+        return self._track(SynthesizeStream(tts=self, conn_options=conn_options))
+
+    def _track(self, stream: _S) -> _S:
+        with contextlib.suppress(RuntimeError):  # made outside a loop: nothing runs yet
+            self._streams[stream] = asyncio.get_running_loop()
+        return stream
 
     def prewarm(self) -> None:
         """Load, start and warm the engine (or connect to the server) before the first turn.
@@ -234,10 +277,22 @@ class TTS(tts.TTS):
             logger.warning("intone prewarm failed: %s", e)
 
     async def aclose(self) -> None:
-        """Release this instance's hold on the shared engines; other instances keep using them."""
+        """Close the streams in flight and release this instance's hold on the shared engines;
+        other instances keep using them."""
         self._closed = True
         if self._prewarm_task is not None:
             await aio.cancel_and_wait(self._prewarm_task)
+        current = asyncio.get_running_loop()
+        closing = []
+        for stream, loop in list(self._streams.items()):
+            if loop is current:
+                closing.append(stream.aclose())
+            elif loop.is_running():
+                closing.append(
+                    asyncio.wrap_future(asyncio.run_coroutine_threadsafe(stream.aclose(), loop))
+                )
+        self._streams.clear()
+        await asyncio.gather(*closing, return_exceptions=True)
         await self._backends.aclose()
 
     # ---- backend
@@ -274,6 +329,7 @@ class ChunkedStream(tts.ChunkedStream):
         if not self.input_text.strip():
             return
         speech = await _open_speech(self._tts, self._opts)
+        _note_request_id(speech.request_id)
         finished = False
         try:
             progress = _Progress()
@@ -328,7 +384,8 @@ class SynthesizeStream(tts.SynthesizeStream):
         progress = _Progress()
         feed_task: asyncio.Task[None] | None = None
         try:
-            output_emitter.start_segment(segment_id=request_id)
+            # The engine's (or server's) request id names the segment: it goes on the trace.
+            output_emitter.start_segment(segment_id=speech.request_id or request_id)
             self._mark_started()
             await speech.push_text(first)
             feed_task = asyncio.create_task(
@@ -452,12 +509,27 @@ async def _pump(
                     output_emitter.push(shared.to_pcm16(samples))
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
+                # The clause's words, as the agent sent them, with their times in the segment:
+                # they ride on the next audio frame to the transcript synchronizer.
+                output_emitter.push_timed_transcript(
+                    [
+                        TimedString(f"{w.word} ", start_time=w.start, end_time=w.end)
+                        for w in event.words
+                    ]
+                )
     finally:
         if pending is not None:
             pending.cancel()
     tail = resampler.flush()
     if tail.size:
         output_emitter.push(shared.to_pcm16(tail))
+
+
+def _note_request_id(request_id: str) -> None:
+    """Put the engine's request id on the current TTS span, as `start_segment` does."""
+    span = trace.get_current_span()
+    if request_id and span.is_recording():
+        span.set_attribute(trace_types.ATTR_PROVIDER_REQUEST_IDS, [request_id])
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -21,6 +21,9 @@ from typing import Any, Protocol
 
 from intone.engine import Engine, releases
 from intone.engine.errors import UnknownModelError
+from intone.provider.server.access import Access
+from intone.provider.server.limits import Limits
+from intone.provider.server.logs import ClientErrorLog
 from intone.provider.server.metrics import ServerMetrics
 from intone.provider.server.protocol import echo
 from intone.provider.server.settings import ServerSettings
@@ -41,7 +44,10 @@ def model_name(source: str) -> str:
     directory (it would tell a stranger how the host is laid out)."""
     if source.startswith("hf://"):
         return source
-    return PurePosixPath(source.replace("\\", "/")).stem or "model"
+    path = PurePosixPath(source.replace("\\", "/"))
+    # A checkpoint directory holds `config.yaml`: its directory's name says which one.
+    name = path.parent.name if path.stem == "config" else path.stem
+    return name or "model"
 
 
 # Model names OpenAI clients send (Pipecat's and LiveKit's OpenAI TTS do): the default model.
@@ -108,17 +114,27 @@ class EngineUnavailableError(RuntimeError):
     """The engine could not be built; requests get 503."""
 
 
+WATCHDOG_INTERVAL = 0.5  # seconds between the watchdog's rounds
+
+
 class InFlight(Protocol):
     """A stream the drain can end: WebSocket stream or HTTP response."""
 
     request_id: str
+    started_at: float  # time.perf_counter()
 
     def shutdown(self) -> None:
         """Cancel now and tell the client with a final event."""
 
+    def expire(self) -> None:
+        """The stream outlived the maximum lifetime: end it with a final error."""
+
 
 class Closable(Protocol):
     async def close(self, code: int, reason: str) -> None: ...
+
+    def watch(self, now: float) -> None:
+        """Enforce the connection's timeouts (idle, slow client); called every round."""
 
 
 class Runtime:
@@ -151,6 +167,12 @@ class Runtime:
         self.draining = False
         self.closed = False
         self.version = server_version()
+        self.access = Access(
+            self.settings.api_keys, self.settings.allowed_origins, self.settings.allowed_hosts
+        )
+        self.limits = Limits(self.settings)
+        self.client_errors = ClientErrorLog()
+        self._watchdog: asyncio.Task | None = None
         self.metrics = ServerMetrics(lambda: len(self.connections), lambda: len(self.streams))
 
     # ---- engine
@@ -217,8 +239,39 @@ class Runtime:
                         logger.exception("the engine could not be started")
                     self._failure = e
                     raise EngineUnavailableError(str(e)) from e
-        assert self.models[0].engine is not None
-        return self.models[0].engine
+        engine = self.models[0].engine
+        assert engine is not None
+        if self._watchdog is None and not self.closed:
+            self._watchdog = asyncio.create_task(self._watch(), name="intone-watchdog")
+        return engine
+
+    async def _watch(self) -> None:
+        """Timeouts that no event triggers: stream lifetimes, idle and slow connections."""
+        rounds = 0
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            now = time.perf_counter()
+            try:
+                limit = self.settings.max_stream_seconds
+                for stream in list(self.streams):
+                    if now - stream.started_at > limit:
+                        stream.expire()
+                for connection in list(self.connections):
+                    connection.watch(now)
+                rounds += 1
+                if rounds % 60 == 0:
+                    self.limits.prune()
+            except Exception:  # a bug here must not end the watchdog
+                logger.exception("watchdog round failed")
+
+    def log_client_error(self, log: logging.LoggerAdapter, message: str, **fields: object) -> None:
+        """Log a client's mistake at INFO, within the client-error budget."""
+        dropped = self.client_errors.allow()
+        if dropped is None:
+            return
+        if dropped:
+            fields["suppressed"] = dropped  # similar lines dropped since the last one
+        log.info("%s", message, extra=fields)
 
     async def _prepare(self) -> None:
         taken: set[str] = set()
@@ -305,6 +358,8 @@ class Runtime:
             return
         self.closed = True
         self.draining = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for stream in list(self.streams):
             stream.shutdown()
         for served in self.models:
