@@ -92,7 +92,8 @@ def test_tiny_family_equals_reference(
     preset: str, family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     path = checkpoint(family_checkpoints, preset, tmp_path_factory)
-    check_against_reference(path, TEXTS[checkpoint_language(path)])
+    errors = check_against_reference(path, TEXTS[checkpoint_language(path)])
+    print(f"{preset}: {errors}")  # shown with -s: the numbers for the notes
 
 
 @pytest.mark.parametrize(
