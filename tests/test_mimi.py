@@ -78,7 +78,8 @@ def test_gemm_decoder_equals_mimi(checkpoint: str, tiny_model: LoadedModel, requ
 @pytest.mark.parametrize("int8", [False, True])
 @torch.no_grad()
 def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int8: bool):
-    """Rows gathered from a state pool at different points decode as they would alone.
+    """Rows of a state pool (the engine's layout: conv histories gathered and scattered, the
+    attention rings read and written in place) at different points decode as they would alone.
 
     int8 quantizes each call's activations with one scale for the batch, so there a row's
     rounding depends on its batch-mates: its audio is equal within the fast path's order of
@@ -89,15 +90,19 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
     assert decoder.int8 == int8
     rtol = 1e-3 if int8 else 1e-5
     pool = DecoderStatePool(decoder, 4, torch.device("cpu"))
+    assert pool.in_place and all(name.startswith("transformer.") for name in pool.in_place)
     gen = torch.Generator().manual_seed(2)
     slots = [pool.acquire() for _ in range(3)]
+    alone = {}
     for slot, frames in zip(slots, (3, 0, 20), strict=True):
         index = torch.tensor([slot])
+        alone[slot] = decoder.init_decoder_state(1)
         for _ in range(frames):
+            latent = torch.randn(1, 1, 32, generator=gen)
             state = pool.gather(index)
-            decoder.decode(torch.randn(1, 1, 32, generator=gen), state)
+            pool_audio = decoder.decode(latent, state)
             pool.scatter(index, state)
-    alone = {slot: pool.gather(torch.tensor([slot])) for slot in slots}
+            torch.testing.assert_close(pool_audio, decoder.decode(latent, alone[slot]))
     index = torch.tensor(slots[::-1])
     batch_state = pool.gather(index)
     latents = torch.randn(3, 2, 32, generator=gen)
@@ -107,9 +112,9 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
         single = decoder.decode(latents[row : row + 1], alone[slot])
         atol = rtol * single.abs().max().item()
         torch.testing.assert_close(batched[row : row + 1], single, rtol=rtol, atol=atol)
-        after = pool.gather(torch.tensor([slot]))
         for name, tensor in alone[slot].items():
             if int8 and name.startswith("transformer."):
                 continue
             scale = rtol * max(1.0, tensor.abs().max().item()) if tensor.numel() else 0.0
-            torch.testing.assert_close(after[name], tensor, rtol=rtol, atol=scale)
+            got = pool.rows[name][slot : slot + 1]
+            torch.testing.assert_close(got, tensor, rtol=rtol, atol=scale)
