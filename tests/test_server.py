@@ -22,7 +22,7 @@ from test_server_support import (
 from websockets.asyncio.client import connect
 
 from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
-from intone.provider.server.protocol import HEADER_BYTES, unpack_audio
+from intone.provider.server.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
 
 SEED = {"seed": 7}
 
@@ -53,9 +53,10 @@ def test_ws_url_forms():
 
 async def test_hello_and_synthesize(server, engine):
     async with IntoneClient(server.url) as client:
-        assert client.hello["protocol"] == 1
+        assert client.hello.protocol == 1 and client.hello.version
+        assert "/" not in client.hello.model  # a name, never a local path
         assert client.sample_rate == engine.sample_rate
-        assert client.hello["header_bytes"] == HEADER_BYTES
+        assert client.hello.header_bytes == HEADER_BYTES
         assert "default" in client.voices and "alloy" in client.voices
         pcm = await client.synthesize("Hello there. This is a test.", options=SEED)
     assert len(pcm) > 0 and len(pcm) % 2 == 0
@@ -74,12 +75,12 @@ async def test_streaming_text_in_pieces(server):
         await stream.end_input()
         items = [item async for item in stream.events()]
     audio = [i for i in items if isinstance(i, bytes)]
-    clauses = [i for i in items if isinstance(i, dict) and i["type"] == "clause_done"]
+    clauses = [i for i in items if isinstance(i, ClauseDoneEvent)]
     assert audio and all(len(a) % 4 == 0 for a in audio)
     assert len(clauses) >= 2
-    assert [c["clause"] for c in clauses] == list(range(len(clauses)))
-    assert " ".join(c["text"] for c in clauses).split() == text.split()
-    assert all(c["frames"] > 0 and c["audio_seconds"] > 0 and c["elapsed"] > 0 for c in clauses)
+    assert [c.clause for c in clauses] == list(range(len(clauses)))
+    assert " ".join(c.text for c in clauses).split() == text.split()
+    assert all(c.frames > 0 and c.audio_seconds > 0 and c.elapsed > 0 for c in clauses)
     metrics = stream.metrics
     assert metrics is not None
     assert metrics["clauses"] == len(clauses)

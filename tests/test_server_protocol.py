@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import soundfile
 from hypothesis import given
 from hypothesis import strategies as st
 
+from intone.engine.options import option_names
 from intone.provider.server import protocol
 from intone.provider.server.encoders import make_encoder, wav_header
 from intone.provider.server.pcm import PcmEncoder
@@ -33,21 +35,28 @@ def test_short_binary_frame():
 
 
 def test_parse_start_with_everything():
-    message = parse_message(
-        protocol.start_message(
-            "a", voice="v", sample_rate=16000, format="pcm_f32le",
-            options={"seed": 1, "temperature": 0.5}, text="Hi.", end=True,
-        )
-    )  # fmt: skip
-    assert message == protocol.Start("a", "v", 16000, "pcm_f32le", {"seed": 1, "temperature": 0.5},
-                                     "Hi.", True)  # fmt: skip
+    start = protocol.Start(
+        "a", "v", 16000, "pcm_f32le", {"seed": 1, "temperature": 0.5}, "Hi.", True
+    )
+    assert parse_message(protocol.encode_message(start)) == start
 
 
-@pytest.mark.parametrize("kind", ["text", "flush", "end", "cancel"])
-def test_parse_control_messages(kind):
-    text = "hello" if kind == "text" else None
-    message = parse_message(protocol.control_message(kind, "s", text))
-    assert type(message).__name__.lower() == kind and message.stream == "s"
+@pytest.mark.parametrize(
+    "message",
+    [
+        protocol.Text("s", "hello"),
+        protocol.Flush("s"),
+        protocol.End("s"),
+        protocol.Cancel("s"),
+        protocol.Playback("s", 1.5),
+    ],
+)
+def test_parse_control_messages(message):
+    assert parse_message(protocol.encode_message(message)) == message
+
+
+def test_stream_options_are_the_engines():
+    assert set(protocol.STREAM_OPTIONS) == set(option_names()) - {"flow_steps"}
 
 
 @pytest.mark.parametrize(
@@ -74,11 +83,81 @@ def test_parse_errors(raw, code, final):
 
 
 def test_terminal_events():
-    assert protocol.is_terminal({"type": "done"})
-    assert protocol.is_terminal({"type": "cancelled"})
-    assert protocol.is_terminal(protocol.error_event("x", "m", "s", final=True))
-    assert not protocol.is_terminal(protocol.error_event("x", "m", "s", final=False))
-    assert not protocol.is_terminal({"type": "clause_done"})
+    assert protocol.is_terminal(protocol.DoneEvent("s", {}))
+    assert protocol.is_terminal(protocol.CancelledEvent("s", "client"))
+    assert protocol.is_terminal(protocol.ErrorEvent("x", "m", "s", final=True))
+    assert not protocol.is_terminal(protocol.ErrorEvent("x", "m", "s", final=False))
+    assert not protocol.is_terminal(protocol.ClauseDoneEvent("s", 0, "t", 1, 0.08, 0.1))
+
+
+EVENTS = [
+    protocol.HelloEvent(
+        "c", "tiny", "0.1.0", 24000, ["a", "b"], "a", "generated", protocol.Limits(1, 2, 3)
+    ),
+    protocol.StartedEvent("s", 1, "r", "a", 16000, "pcm_s16le"),
+    protocol.ClauseDoneEvent("s", 0, "Hi.", 5, 0.4, 0.2),
+    protocol.DoneEvent("s", {"ttfa": 0.1}),
+    protocol.CancelledEvent("s", "client"),
+    protocol.ErrorEvent("rate_limited", "slow down", "s", True, "start", 2.0),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.TYPE)
+def test_events_round_trip(event):
+    assert protocol.parse_event(protocol.encode_event(event)) == event
+
+
+def test_parse_event_ignores_unknown_fields_and_refuses_junk():
+    event = protocol.parse_event('{"type": "cancelled", "stream": "s", "reason": "x", "new": 1}')
+    assert event == protocol.CancelledEvent("s", "x")
+    for raw in ("[]", '{"type": ["x"]}', '{"type": "nope"}', '{"type": "done"}'):
+        with pytest.raises(ValueError):
+            protocol.parse_event(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, code, final",
+    [
+        # A 5000-digit integer is refused by the field that holds it, not by the JSON parser.
+        ('{"type": "start", "stream": "s", "options": {"seed": %s}}' % ("9" * 5000),
+         ErrorCode.BAD_OPTIONS, True),
+        ('{"type": "start", "stream": "s", "sample_rate": %s}' % ("1" * 40),
+         ErrorCode.BAD_SAMPLE_RATE, True),
+        ('{"type": "start", "stream": "s", "options": {"temperature": NaN}}', ErrorCode.BAD_JSON,
+         False),
+        ('{"type": "start", "stream": "s", "options": {"temperature": 1e999}}',
+         ErrorCode.BAD_OPTIONS, True),
+        ('{"type": "start", "stream": "s", "options": {"flow_steps": 2}}', ErrorCode.BAD_OPTIONS,
+         True),
+        ('{"type": ["start"], "stream": "s"}', ErrorCode.UNKNOWN_TYPE, False),
+        ('{"type": {"a": 1}, "stream": "s"}', ErrorCode.UNKNOWN_TYPE, False),
+        ('{"type": "text", "stream": "s", "text": "a\\ud800b"}', ErrorCode.BAD_TEXT, False),
+        ('{"type": "start", "stream": "s", "text": "\\udfff", "end": true}', ErrorCode.BAD_TEXT,
+         True),
+        ('{"type": "start", "stream": "s", "voice": "\\ud800"}', ErrorCode.UNKNOWN_VOICE, True),
+        ('{"type": "text", "stream": "\\ud800", "text": "x"}', ErrorCode.BAD_MESSAGE, False),
+        ('{"type": "text", "stream": "a\\nb", "text": "x"}', ErrorCode.BAD_MESSAGE, False),
+        ('{"type": "text", "stream": "%s", "text": "x"}' % ("s" * 65), ErrorCode.BAD_MESSAGE,
+         False),
+        ('{"type": "start", "stream": "s", "voice": "%s"}' % ("v" * 129),
+         ErrorCode.UNKNOWN_VOICE, True),
+        ('{"type": "playback", "stream": "s", "seconds": -1}', ErrorCode.BAD_MESSAGE, False),
+        ('{"type": "playback", "stream": "s", "seconds": "1"}', ErrorCode.BAD_MESSAGE, False),
+    ],
+)  # fmt: skip
+def test_hostile_values_are_refused_with_their_codes(raw, code, final):
+    with pytest.raises(ProtocolError) as info:
+        parse_message(raw)
+    assert info.value.code == code and info.value.final is final
+
+
+@pytest.mark.parametrize("value", ["x" * 60_000, "line\nforged=1", ["list"], {"o": 1}])
+def test_error_messages_echo_a_short_escaped_prefix(value):
+    raw = json.dumps({"type": value, "stream": "s"})
+    with pytest.raises(ProtocolError) as info:
+        parse_message(raw)
+    message = info.value.message
+    assert len(message) < 200 and "\n" not in message and message.isprintable()
 
 
 def test_pcm_encoder_formats_and_rates():

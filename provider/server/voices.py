@@ -10,7 +10,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from intone.engine import Engine
+from intone.engine import Engine, UnknownVoiceError
+from intone.provider.server.protocol import echo
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +22,6 @@ OPENAI_VOICES = (
     "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable",
     "marin", "nova", "onyx", "sage", "shimmer", "verse",
 )  # fmt: skip
-
-
-class UnknownVoiceError(ValueError):
-    pass
 
 
 def voice_files(directory: str | Path) -> dict[str, Path]:
@@ -101,7 +98,7 @@ class VoiceResolver:
         if name in self.engine.loaded.voices:
             await self._load_checkpoint_voice(name)
             return name
-        raise UnknownVoiceError(f"unknown voice {requested!r}; known voices: {self.known()}")
+        raise UnknownVoiceError(f"unknown voice {echo(requested)}; known voices: {self.known()}")
 
     async def _load_checkpoint_voice(self, name: str) -> None:
         """A voice the checkpoint names but the engine has not loaded yet (e.g. the released

@@ -194,7 +194,11 @@ class RingKV:
         delta = self.positions[:, :, None] - key_pos[:, None, :]
         mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.context)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None]
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            enable_gqa=True,
         )
         return out.transpose(1, 2)
 
@@ -292,7 +296,7 @@ class GemmDecoder:
         for layer in self.layers:
             state.update(layer.init_state(batch_size, device))
         t = self.transformer.transformer
-        kv_shape = (batch_size, self.ring, t.num_heads, t.head_dim)
+        kv_shape = (batch_size, self.ring, t.num_kv_heads, t.head_dim)
         state["transformer.offset"] = torch.zeros(batch_size, dtype=torch.long, device=device)
         for layer in range(len(t.layers)):
             state[f"transformer.{layer}.keys"] = torch.zeros(kv_shape, device=device)

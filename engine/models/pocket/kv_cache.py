@@ -18,6 +18,8 @@ import torch
 
 
 class KVPool:
+    """Keys and values [layers, slots, kv_heads, head_dim]: the attention's key/value heads."""
+
     def __init__(
         self,
         num_layers: int,
@@ -34,6 +36,12 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Memory one slot (one position, every layer, keys and values) takes."""
+        layers, _, heads, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [layers, n, H, D] computed elsewhere (a voice state) at slots [n]."""
