@@ -140,9 +140,12 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
         """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim]."""
-        index = torch.tensor(slots, device=self.device)
+        # Rows in slot order: a batch holding a run of slots reads their decoder state in place.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        index = torch.tensor([slots[i] for i in order], device=self.device)
+        order_t = torch.tensor(order, device=self.device)
         with self._busy():
             state = self.decoder_states.gather(index)
-            audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
+            audio = self.decoder.decode(self.flow_lm.denormalize(latents[order_t]), state)
             self.decoder_states.scatter(index, state)
-        return audio[:, 0]
+        return audio[:, 0].index_select(0, torch.argsort(order_t))

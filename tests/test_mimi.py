@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.conv import State
@@ -118,3 +119,27 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
             scale = rtol * max(1.0, tensor.abs().max().item()) if tensor.numel() else 0.0
             got = pool.rows[name][slot : slot + 1]
             torch.testing.assert_close(got, tensor, rtol=rtol, atol=scale)
+
+
+@torch.no_grad()
+def test_engine_decode_calls_equal_mimi_per_row(tiny_checkpoint):
+    """ModelRunner.decode (float32) on unsorted subsets of its rows, a run of slots among them:
+    each row's audio is Mimi.decode of that row's own history."""
+    loaded = load_model(tiny_checkpoint)
+    engine = Engine(loaded, EngineConfig(dtype="float32", torch_threads=0, max_active=8))
+    try:
+        runner, mimi = engine.runner, loaded.model.mimi
+        slots = [runner.decoder_states.acquire() for _ in range(8)]
+        alone = {slot: mimi.init_decoder_state(1) for slot in slots}
+        order = [5, 2, 7, 0, 3, 1, 6, 4]
+        gen = torch.Generator().manual_seed(0)
+        for step in range(5):
+            rows = [slots[i] for i in order[: 8 - step % 3]]
+            latents = torch.randn(len(rows), 2, 32, generator=gen)
+            got = runner.decode(rows, latents)
+            for j, slot in enumerate(rows):
+                z = loaded.model.flow_lm.denormalize(latents[j : j + 1])
+                want = mimi.decode(z, alone[slot])[0, 0]
+                torch.testing.assert_close(got[j], want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    finally:
+        engine.close()

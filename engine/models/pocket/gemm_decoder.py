@@ -180,6 +180,12 @@ class RingKV:
         self.index = state.get(ROWS)
         rows = torch.arange(positions.shape[0], device=positions.device)
         self.rows = (rows if self.index is None else self.index)[:, None]
+        # Pool rows in one ascending run (the engine sorts a batch by slot) are a view: no gather.
+        self.run: slice | None = None
+        if self.index is not None:
+            first, last = int(self.index[0]), int(self.index[-1])
+            if last - first + 1 == len(self.index) and bool((self.index.diff() == 1).all()):
+                self.run = slice(first, last + 1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys = self.state[f"{self.prefix}.{layer}.keys"]
@@ -188,7 +194,9 @@ class RingKV:
         keys[self.rows, self.slots] = k
         values[self.rows, self.slots] = v
         key_pos[self.rows, self.slots] = self.positions
-        if self.index is not None:
+        if self.run is not None:
+            keys, values, key_pos = keys[self.run], values[self.run], key_pos[self.run]
+        elif self.index is not None:
             keys, values = keys[self.index], values[self.index]
             key_pos = key_pos[self.index]
         delta = self.positions[:, :, None] - key_pos[:, None, :]
