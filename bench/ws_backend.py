@@ -50,6 +50,7 @@ class WsBackend:
         cmd = [exe, "serve", "--model", self.model, "--voices", str(voices)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", self.device]
         cmd += ["--fallback-preset", "none"]
+        cmd += ["--max-streams-per-client", "0"]  # every bench client is one address
         self.base = f"http://127.0.0.1:{port}"
         self.server = _Server(cmd, f"{self.base}/healthz", self.workdir / "ws-server.log")
         await self.server.start()

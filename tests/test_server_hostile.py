@@ -74,9 +74,37 @@ ws_message = st.fixed_dictionaries(
         "seconds": junk,
     },
 )
+good_ids = st.sampled_from(["a", "b", "c"])
+good_text = st.one_of(st.sampled_from(["Hi there. ", "Yes.", " "]), junk_text)
+# Mostly well-formed streams, so that many streams start and then meet the hostile messages.
+plausible = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("start"), "stream": good_ids, "options": st.just(FAST)},
+        optional={
+            "text": good_text,
+            "end": st.booleans(),
+            "voice": st.sampled_from(["alloy", "nobody"]),
+            "sample_rate": st.sampled_from([16000, 8000, 48000]),
+        },
+    ),
+    st.fixed_dictionaries({"type": st.just("text"), "stream": good_ids, "text": good_text}),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["end", "flush", "cancel"]), "stream": good_ids}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("playback"), "stream": good_ids, "seconds": st.floats(0, 5)}
+    ),
+)
+
+
+def _encode(message: dict) -> str:
+    return json.dumps(message).replace(f'"{BIG}"', "9" * 5000)
+
+
 raw_frames = st.one_of(
-    ws_message.map(lambda m: json.dumps(m).replace(f'"{BIG}"', "9" * 5000)),
-    ws_message.map(lambda m: json.dumps(m).replace(f'"{BIG}"', "9" * 5000)),
+    plausible.map(_encode),
+    plausible.map(_encode),
+    ws_message.map(_encode),
     st.sampled_from(["{", "[]", "null", '{"type": NaN}', "x" * 5000]),
     st.binary(max_size=16),
 )
@@ -143,7 +171,7 @@ http_body = st.fixed_dictionaries(
 )
 @given(
     body=st.one_of(
-        http_body.map(lambda b: json.dumps(b).replace(f'"{BIG}"', "9" * 5000).encode()),
+        http_body.map(lambda b: _encode(b).encode()),
         st.binary(max_size=40),
     )
 )

@@ -49,7 +49,7 @@ def serve(options: ServeOptions) -> None:
     settings = options.settings
     if is_loopback(options.host) and not settings.allowed_hosts:
         # DNS rebinding: a page from a public name that resolves to 127.0.0.1 is refused.
-        settings.allowed_hosts = LOOPBACK_HOSTS
+        settings.allowed_hosts = (*LOOPBACK_HOSTS, options.host)
     settings.validate()
     if not settings.api_keys and not is_loopback(options.host):
         logger.warning(
