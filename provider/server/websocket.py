@@ -120,6 +120,7 @@ class Connection:
         self._closed = asyncio.Event()
         self._closing = False  # a timeout is closing it: no more watching
         self._writer: asyncio.Task | None = None
+        self._close_task: asyncio.Future | None = None  # held: a task nobody holds may vanish
         self._sending_since: float | None = None  # when the send in progress began
         self.last_message_at = time.perf_counter()
         offered = websocket.headers.get("sec-websocket-protocol", "")
@@ -241,7 +242,9 @@ class Connection:
             self._abandon(stream, "slow client")
         if self._writer is not None:
             self._writer.cancel()
-        asyncio.ensure_future(self._close_now(CloseCode.SLOW_CLIENT, "slow_client"))
+        self._close_task = asyncio.ensure_future(
+            self._close_now(CloseCode.SLOW_CLIENT, "slow_client")
+        )
 
     async def _close_now(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -263,6 +266,12 @@ class Connection:
                 max_message_bytes=self.settings.max_message_bytes,
                 max_streams=self.settings.max_streams_per_connection,
                 max_text_chars=engine.config.max_text_chars,
+                max_streams_per_client=self.settings.max_streams_per_client or None,
+                max_chars_per_minute=self.settings.max_chars_per_minute or None,
+                max_buffered_audio=self.settings.max_buffered_audio,
+                slow_client_timeout=self.settings.slow_client_timeout,
+                idle_timeout=self.settings.ws_idle_timeout,
+                max_stream_seconds=self.settings.max_stream_seconds,
             ),
         )
 
