@@ -201,9 +201,13 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         raise ApiError(400, protocol.engine_error_code(e), str(e), "voice") from None
 
     try:
-        runtime.limits.take_chars(tenant, len(request_.text))
         runtime.limits.open_stream(tenant)
     except LimitError as e:
+        raise ApiError(429, e.code, e.message, None, e.retry_after) from None
+    try:
+        runtime.limits.take_chars(tenant, len(request_.text))
+    except LimitError as e:
+        runtime.limits.close_stream(tenant)
         raise ApiError(429, e.code, e.message, "input", e.retry_after) from None
     tokens = engine.loaded.tokenizer.count(request_.text)
     headers = {
