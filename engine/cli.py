@@ -20,6 +20,36 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
     logger.info("wrote the %s checkpoint to %s", args.preset, out)
 
 
+def _models(args: argparse.Namespace) -> None:
+    from intone.engine.checkpoint import TINY_FAMILIES
+    from intone.engine.releases import release_table
+
+    rows = [("model", "language", "params (generation)", "voice cloning", "shortcuts")]
+    for info in release_table():
+        rows.append(
+            (
+                info.name,
+                info.language,
+                f"{info.parameters / 1e6:.1f}M",
+                "gated weights" if info.cloning_gated else "open",
+                ", ".join(info.shortcuts),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.append("")
+    lines.append(
+        "Offline checkpoints (`intone make-checkpoint --preset NAME`): every model above "
+        "(random weights), tiny-NAME for a small variant of any of them, and one tiny variant "
+        "per architecture family:"
+    )
+    lines += [f"  {name:<16} {release}" for name, release in TINY_FAMILIES.items()]
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
 def _say(args: argparse.Namespace) -> None:
     import torch
 
@@ -73,18 +103,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="write an offline checkpoint: random weights in the released layout, a locally "
         "trained tokenizer and a synthesised default voice",
     )
-    make.add_argument("--preset", choices=["tiny", "full"], required=True)
+    make.add_argument(
+        "--preset",
+        required=True,
+        metavar="NAME",
+        help="a released model's name (full size, e.g. english, french_24l, english_2m_2026-10), "
+        "tiny-NAME (that model shrunk), a tiny family variant (tiny-standard, tiny-24l, "
+        "tiny-2026-01, tiny-drifting, tiny-small, tiny-gqa, tiny-pointwise), or intone's own "
+        "'tiny' and 'full'; `intone models` lists them",
+    )
     make.add_argument("--out", type=Path, required=True)
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(run=_make_checkpoint)
+
+    models = commands.add_parser(
+        "models",
+        help="list the released models (--model NAME): language, parameters, whether voice "
+        "cloning needs the gated weights, language shortcuts",
+    )
+    models.set_defaults(run=_models)
 
     say = commands.add_parser("say", help="synthesise TEXT to a WAV file")
     say.add_argument("text")
     say.add_argument(
         "--model",
         default=None,
-        help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
-        "kyutai/pocket-tts English model)",
+        help="released model name (`intone models`: english, french_24l, fr, ...), checkpoint "
+        "dir, config .yaml or hf:// path (default: the released kyutai/pocket-tts English model)",
     )
     say.add_argument(
         "--voice",
@@ -110,9 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--model",
+        action="append",
         default=None,
-        help="checkpoint dir, config .yaml, hf:// path or hub name (default: the released "
-        "model; if it can't be had, a generated random-weight checkpoint, with a warning)",
+        help="released model name (`intone models`: english, fr, english_2m_2026-10, ...), "
+        "checkpoint dir, config .yaml or hf:// path (default: the released English model; if it "
+        "can't be had, a generated random-weight checkpoint, with a warning). Repeat to serve "
+        "several models, one engine each; the first is the default, requests pick one by name "
+        "or alias",
     )
     serve.add_argument(
         "--voices", type=Path, default=None, help="directory of voice prompts "

@@ -102,7 +102,7 @@ class Engine:
             self.model.flow_lm.transformer.to(getattr(torch, config.dtype))
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
-        slot_bytes = 2 * flow_lm.num_layers * flow_lm.dim * flow_lm.transformer.dtype.itemsize
+        slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes
         num_pages = config.num_pages or max(
             1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size))
         )

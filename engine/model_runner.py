@@ -8,12 +8,11 @@ step free of data-dependent Python, the precondition for replaying it as a CUDA 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, SlotAttention, plan_step
+from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
 from intone.engine.voices import Voice
@@ -35,15 +34,9 @@ class ModelRunner:
         self.flow_steps = flow_steps
         self.device = device
         self.batch_buckets = sorted(batch_buckets) if batch_buckets else None
-        transformer = self.flow_lm.transformer
-        self.pool = KVPool(
-            self.flow_lm.num_layers,
-            # One page past the pool's end is scratch space for the padding rows of a bucket.
-            (blocks.num_pages + 1) * blocks.page_size,
-            transformer.num_heads,
-            transformer.head_dim,
-            dtype=transformer.dtype,
-            device=device,
+        # One page past the pool's end is scratch space for the padding rows of a bucket.
+        self.pool = self.flow_lm.new_kv_pool(
+            (blocks.num_pages + 1) * blocks.page_size, device=device
         )
         self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)
 
@@ -52,7 +45,7 @@ class ModelRunner:
         text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
         if tail is None or not tail.shape[0]:
             return text
-        voice_like = F.linear(self.flow_lm.denormalize(tail), self.flow_lm.speaker_proj_weight)
+        voice_like = self.model.latents_as_voice(tail)
         return torch.cat([voice_like, text])
 
     def copy_page(self, source: int, target: int, count: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-from intone.engine.text import max_gen_len, prepare_text
+from intone.engine.text import max_gen_len, prompt_tokens
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -113,8 +113,7 @@ class ClauseProgress:
 
 
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
-    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
-    tokens = loaded.tokenizer.encode(text)
+    tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
     frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
     if options.max_frames is not None:
         frames = min(frames, options.max_frames)

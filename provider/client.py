@@ -109,6 +109,7 @@ class ClientStream:
         self.channel: int | None = None
         self.request_id: str | None = None
         self.voice: str | None = None
+        self.model: str | None = None  # the served model's name
         self.sample_rate: int | None = None
         self.metrics: dict[str, Any] | None = None
         self.clauses: list[protocol.ClauseDoneEvent] = []
@@ -211,6 +212,7 @@ class ClientStream:
             self.channel = event.channel
             self.request_id = event.request_id
             self.voice = event.voice
+            self.model = event.model
             self.sample_rate = event.sample_rate
             self.format = event.format
             if not self._started.done():
@@ -343,8 +345,12 @@ class IntoneClient:
         text: str | None = None,
         end: bool = False,
         stream_id: str | None = None,
+        model: str | None = None,
     ) -> ClientStream:
-        """Start a stream; returns once the server accepted it, raises IntoneError if not."""
+        """Start a stream; returns once the server accepted it, raises IntoneError if not.
+
+        `model`: one of the server's models (`hello.models`) by name or alias; None: its default.
+        """
         stream_id = stream_id or f"s{next(self._ids)}"
         if stream_id in self._streams:
             raise ValueError(f"stream id {stream_id!r} is in use on this client")
@@ -360,6 +366,7 @@ class IntoneClient:
                     options=dict(options or {}),
                     text=text,
                     end=end,
+                    model=model,
                 )
             )
             await asyncio.shield(stream._started)
@@ -375,9 +382,12 @@ class IntoneClient:
         sample_rate: int | None = None,
         format: str = DEFAULT_FORMAT,
         options: dict[str, Any] | None = None,
+        model: str | None = None,
     ) -> bytes:
         """All the audio of `text` as PCM bytes."""
-        stream = await self.stream(voice, sample_rate, format, options, text=text, end=True)
+        stream = await self.stream(
+            voice, sample_rate, format, options, text=text, end=True, model=model
+        )
         try:
             return b"".join([pcm async for pcm in stream])
         except BaseException:

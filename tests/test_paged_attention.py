@@ -26,7 +26,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 def new_pool(flow_lm, num_slots: int) -> KVPool:
     tf = flow_lm.transformer
-    return KVPool(flow_lm.num_layers, num_slots, tf.num_heads, tf.head_dim)
+    return KVPool(flow_lm.num_layers, num_slots, tf.num_kv_heads, tf.head_dim)
 
 
 def embeddings(n: int, dim: int, seed: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from importlib import resources
@@ -29,7 +30,7 @@ from intone.provider.server import openai_api, protocol
 from intone.provider.server.access import bearer
 from intone.provider.server.openai_api import error_response
 from intone.provider.server.protocol import ErrorCode
-from intone.provider.server.runtime import EngineUnavailableError, Runtime, model_name
+from intone.provider.server.runtime import EngineUnavailableError, Runtime, ServedModel, model_name
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.websocket import websocket_endpoint
 
@@ -37,9 +38,9 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: Engine | None = None,
+    engine: Engine | Sequence[Engine] | None = None,
     *,
-    model: str | Path | None = None,
+    model: str | Path | Sequence[str | Path] | None = None,
     voices_dir: str | Path | None = None,
     engine_config: EngineConfig | None = None,
     settings: ServerSettings | None = None,
@@ -47,29 +48,35 @@ def create_app(
 ) -> Starlette:
     """The intone server as an ASGI app.
 
-    engine: a built engine, shared by every connection; the caller owns it (starts it if
-        needed, closes it). Without one, the app builds its own on first use (or at startup
-        when lifespan events run) from `model` (None: the released default, or a generated
-        checkpoint if that cannot be had and `fallback_preset` is set) and closes it at
-        lifespan shutdown or `await app.state.intone.close()`.
-    voices_dir: voice prompts to add to the engine's registry, named by file stem.
-    The runtime (engine, voices, drain) is `app.state.intone`.
+    engine: a built engine, or several (one per model), shared by every connection; the caller
+        owns them (starts them if needed, closes them). Without one, the app builds its own on
+        first use (or at startup when lifespan events run) from `model` (None: the released
+        default, or a generated checkpoint if that cannot be had and `fallback_preset` is set;
+        a list: one engine per model) and closes them at lifespan shutdown or
+        `await app.state.intone.close()`.
+    The first model is the default; a request picks another by name or alias (`GET /v1/models`).
+    voices_dir: voice prompts to add to every model's registry, named by file stem.
+    The runtime (engines, voices, drain) is `app.state.intone`.
     """
     if engine is not None and (model is not None or engine_config is not None):
         raise ValueError("pass either an engine or model/engine_config, not both")
 
-    def build() -> Engine:
+    def build(spec: str | Path | None) -> Engine:
         from intone.provider.server.model_source import load_serving_model
 
-        loaded = load_serving_model(model, fallback_preset=fallback_preset)
+        loaded = load_serving_model(spec, fallback_preset=fallback_preset)
         return Engine(loaded, engine_config)
 
-    runtime = Runtime(
-        engine,
-        engine_factory=None if engine is not None else build,
-        voices_dir=voices_dir,
-        settings=settings,
-    )
+    if engine is not None:
+        engines = [engine] if isinstance(engine, Engine) else list(engine)
+        served = [ServedModel(engine=e) for e in engines]
+    else:
+        specs = list(model) if isinstance(model, list | tuple) else [model]
+        served = [
+            ServedModel(requested=None if s is None else str(s), factory=partial(build, s))
+            for s in specs
+        ]
+    runtime = Runtime(models=served, voices_dir=voices_dir, settings=settings)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -82,6 +89,9 @@ def create_app(
     async def speech(request: Request) -> Response:
         return await openai_api.speech(request, runtime)
 
+    async def models(request: Request) -> Response:
+        return await openai_api.models(request, runtime)
+
     async def stream(websocket: WebSocket) -> None:
         await websocket_endpoint(websocket, runtime)
 
@@ -91,6 +101,7 @@ def create_app(
         Route("/stats", partial(stats, runtime), methods=["GET"]),
         Route("/metrics", partial(metrics, runtime), methods=["GET"]),
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
         WebSocketRoute(protocol.WS_PATH, stream),
     ]
     app = Starlette(

@@ -3,8 +3,12 @@
 Clients written for OpenAI's speech API (the `openai` package, LiveKit's and Pipecat's OpenAI
 TTS plugins) work unchanged with `base_url=http://HOST:PORT/v1`. What the fields mean here:
 
-* `model`: accepted and not checked. The server runs one checkpoint (see /healthz); the value is
-  only logged and echoed in the `x-intone-model` header.
+* `model`: which served model speaks (`GET /v1/models` lists them), by name or alias (`english`,
+  `fr`, `english_2m_2026-10`, ...). Missing, or one of OpenAI's names (tts-1, tts-1-hd,
+  gpt-4o-mini-tts): the default model. A model or language it does not serve: 400
+  `unknown_model`, naming the served ones (a server of one model takes names that mean no
+  model intone knows, as OpenAI clients send their own ids). The served model's name comes back
+  in the `x-intone-model` header.
 * `voice`: a registry voice name, an alias, one of OpenAI's names (mapped onto the registry, see
   voices.py), or `{"id": name}`. Missing: the default voice.
 * `response_format`: pcm (24 kHz 16-bit mono, no header), wav (same, streamed with unknown
@@ -39,6 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from intone.engine import AudioChunk, EngineError
 from intone.engine import Stream as EngineStream
+from intone.engine.errors import UnknownModelError
 from intone.provider.server import protocol
 from intone.provider.server.access import bearer
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
@@ -173,6 +178,23 @@ async def speech(request: Request, runtime: Runtime) -> Response:
     return response  # its body releases the connection slot when it ends
 
 
+async def models(request: Request, runtime: Runtime) -> Response:
+    """`GET /v1/models`, as OpenAI lists models, with intone's details on each: its aliases
+    (what `model` may also say), language, voices and default voice. The first is the default."""
+    try:
+        await runtime.ready()
+    except EngineUnavailableError as e:
+        return JSONResponse(
+            {"error": {"message": str(e), "type": "engine_unavailable"}}, status_code=503
+        )
+    data = [
+        {"id": served.name, "object": "model", "created": 0, "owned_by": "intone"}
+        | served.describe()
+        for served in runtime.models
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
 async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any) -> Response:
     access = runtime.access
     label = access.key_label(bearer(request.headers))
@@ -194,9 +216,14 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         )
     body = await _read_json(request, runtime.settings)
     request_ = _parse(body, engine.config.max_text_chars)
-    assert runtime.voices is not None
     try:
-        voice = await runtime.voices.resolve(request_.voice)
+        served = runtime.select(request_.model)
+    except UnknownModelError as e:
+        raise ApiError(400, ErrorCode.UNKNOWN_MODEL, str(e), "model") from None
+    engine = served.engine
+    assert engine is not None and served.voices is not None
+    try:
+        voice = await served.voices.resolve(request_.voice)
     except EngineError as e:
         raise ApiError(400, protocol.engine_error_code(e), str(e), "voice") from None
 
@@ -212,7 +239,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
     tokens = engine.loaded.tokenizer.count(request_.text)
     headers = {
         "x-request-id": request_id,
-        "x-intone-model": header_value(request_.model or ""),
+        "x-intone-model": header_value(served.name),
         "x-intone-voice": header_value(voice),
         "cache-control": "no-cache",
     }
@@ -241,7 +268,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         extra={
             "chars": len(request_.text),
             "engine_request": engine_stream.id,
-            "model": header_value(request_.model or ""),
+            "model": served.name,
         },
     )
     sse = request_.stream_format == "sse"

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServeOptions:
-    model: str | None = None
+    # One engine per model; the first is the default. None or []: the released default model.
+    model: str | list[str] | None = None
     voices_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -57,15 +58,21 @@ def serve(options: ServeOptions) -> None:
             "Set --api-key or INTONE_API_KEYS (docs/server.md, 'Running it on the internet').",
             options.host,
         )
-    loaded = load_serving_model(options.model, fallback_preset=options.fallback_preset)
-    engine = Engine(loaded, options.engine_config).start()
+    specs: list[str | None] = (
+        list(options.model) if isinstance(options.model, list) else [options.model]
+    ) or [None]
+    engines: list[Engine] = []
     try:
-        app = create_app(engine, voices_dir=options.voices_dir, settings=settings)
+        for spec in specs:
+            loaded = load_serving_model(spec, fallback_preset=options.fallback_preset)
+            engines.append(Engine(loaded, options.engine_config).start())
+        app = create_app(engines, voices_dir=options.voices_dir, settings=settings)
         config = uvicorn_config(app, settings, options.host, options.port)
         server = DrainingServer(config, app.state.intone, settings.drain_timeout)
         asyncio.run(_run(server))
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()
         logger.info("engine released; bye")
 
 
@@ -139,7 +146,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     origins = [o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip()]
     hosts = [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
     return ServeOptions(
-        model=args.model,
+        # One --model stays a plain value, as before several were allowed.
+        model=args.model[0] if args.model and len(args.model) == 1 else args.model,
         voices_dir=args.voices,
         host=args.host,
         port=args.port,

@@ -35,7 +35,7 @@ from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
 from intone.provider.server.pcm import PcmEncoder
 from intone.provider.server.protocol import CloseCode, ErrorCode, ProtocolError
-from intone.provider.server.runtime import EngineUnavailableError, Runtime, model_name
+from intone.provider.server.runtime import EngineUnavailableError, Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +256,11 @@ class Connection:
         assert engine is not None and self.runtime.voices is not None
         return protocol.HelloEvent(
             connection=self.id,
-            model=model_name(engine.loaded.source),
+            model=self.runtime.models[0].name,
             version=self.runtime.version,
             sample_rate=engine.sample_rate,
             voices=self.runtime.voices.known(),
+            models=[served.describe() for served in self.runtime.models],
             default_voice=engine.default_voice,
             weights=engine.loaded.weights,
             limits=protocol.Limits(
@@ -374,8 +375,6 @@ class Connection:
             )
         if message.end and not (message.text or "").strip():
             raise refuse(ErrorCode.EMPTY_TEXT, "a one-shot start (end: true) needs text")
-        engine = self.engine
-        assert engine is not None and self.runtime.voices is not None
         limits = self.runtime.limits
         try:
             limits.open_stream(self.tenant)
@@ -386,6 +385,9 @@ class Connection:
         self._reserved.add(sid)
         try:
             try:
+                served = self.runtime.select(message.model)
+                engine = served.engine
+                assert engine is not None and served.voices is not None
                 options = GenerationOptions(
                     **{
                         "chain_frames": engine.config.default_chain_frames,
@@ -393,7 +395,7 @@ class Connection:
                         **message.options,
                     }
                 )
-                voice = await self.runtime.voices.resolve(message.voice)
+                voice = await served.voices.resolve(message.voice)
                 if self._closed.is_set():
                     raise refuse(ErrorCode.STREAM_CLOSED, "the connection closed")
                 engine_stream = engine.stream(voice, options)
@@ -418,13 +420,20 @@ class Connection:
         self.runtime.add_stream(stream)
         self._send_event(
             protocol.StartedEvent(
-                sid, stream.channel, stream.request_id, voice, stream.sample_rate, stream.format
+                sid,
+                stream.channel,
+                stream.request_id,
+                voice,
+                stream.sample_rate,
+                stream.format,
+                served.name,
             )
         )
         stream.log.info(
             "stream started",
             extra={
                 "voice": voice,
+                "model": served.name,
                 "sample_rate": stream.sample_rate,
                 "engine_request": engine_stream.id,
             },

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from intone.engine.models.pocket.transformer import expand_kv_heads
+
 
 class KVPool:
+    """Keys and values [layers, slots, kv_heads, head_dim]: the attention's key/value heads."""
+
     def __init__(
         self,
         num_layers: int,
@@ -32,6 +36,12 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Memory one slot (one position, every layer, keys and values) takes."""
+        layers, _, heads, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [layers, n, H, D] computed elsewhere (a voice state) at slots [n]."""
@@ -75,8 +85,8 @@ class SlotAttention:
         groups = self.read_slots.shape[0]
         n, heads, dim = q.shape
         q = q.view(groups, n // groups, heads, dim).transpose(1, 2)
-        k_ctx = keys[self.read_slots].transpose(1, 2)
-        v_ctx = values[self.read_slots].transpose(1, 2)
+        k_ctx = expand_kv_heads(keys[self.read_slots], heads).transpose(1, 2)
+        v_ctx = expand_kv_heads(values[self.read_slots], heads).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=self.mask)
         return out.transpose(1, 2).reshape(n, heads, dim)
 
