@@ -215,13 +215,20 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
             415, ErrorCode.BAD_MESSAGE, "the body must be JSON (content-type: application/json)"
         )
     body = await _read_json(request, runtime.settings)
-    request_ = _parse(body, engine.config.max_text_chars)
+    request_ = _parse(body)
     try:
         served = runtime.select(request_.model)
     except UnknownModelError as e:
         raise ApiError(400, ErrorCode.UNKNOWN_MODEL, str(e), "model") from None
     engine = served.engine
     assert engine is not None and served.voices is not None
+    if len(request_.text) > engine.config.max_text_chars:
+        raise ApiError(
+            400,
+            ErrorCode.TEXT_TOO_LONG,
+            f"'input' is over the limit of {engine.config.max_text_chars} characters",
+            "input",
+        )
     try:
         voice = await served.voices.resolve(request_.voice)
     except EngineError as e:
@@ -288,7 +295,7 @@ class _Request:
         self.format, self.stream_format, self.sample_rate = fmt, stream_format, sample_rate
 
 
-def _parse(body: dict[str, Any], max_chars: int) -> _Request:
+def _parse(body: dict[str, Any]) -> _Request:
     """Every field checked before anything is created."""
 
     def string(name: str, code: ErrorCode, max_len: int, unicode_code: ErrorCode | None = None):
@@ -307,13 +314,6 @@ def _parse(body: dict[str, Any], max_chars: int) -> _Request:
         raise ApiError(400, ErrorCode.BAD_MESSAGE, "'input' must be a string", "input")
     if not text.strip():
         raise ApiError(400, ErrorCode.EMPTY_TEXT, "'input' is empty", "input")
-    if len(text) > max_chars:
-        raise ApiError(
-            400,
-            ErrorCode.TEXT_TOO_LONG,
-            f"'input' is over the limit of {max_chars} characters",
-            "input",
-        )
     model = string("model", ErrorCode.BAD_MESSAGE, MAX_MODEL_CHARS)
     if model is not None and not model.isprintable():
         raise ApiError(400, ErrorCode.BAD_MESSAGE, "'model' holds control characters", "model")

@@ -58,6 +58,7 @@ class WsStream:
         sample_rate: int,
         fmt: str,
         model_rate: int,
+        max_text_chars: int,
     ):
         self.connection = connection
         self.id = stream_id
@@ -67,6 +68,7 @@ class WsStream:
         self.sample_rate = sample_rate
         self.format = fmt
         self.model_rate = model_rate
+        self.max_text_chars = max_text_chars
         self.request_id = uuid.uuid4().hex[:16]
         self.encoder = PcmEncoder(model_rate, sample_rate, fmt)
         self.bytes_per_second = sample_rate * protocol.SAMPLE_FORMATS[fmt]
@@ -415,6 +417,7 @@ class Connection:
             message.sample_rate or engine.sample_rate,
             message.format,
             engine.sample_rate,
+            engine.config.max_text_chars,
         )
         self.streams[sid] = stream
         self.runtime.add_stream(stream)
@@ -461,8 +464,7 @@ class Connection:
             raise refuse(ErrorCode.STREAM_CLOSED, "input already ended: no more text")
         if text == "":
             raise refuse(ErrorCode.EMPTY_TEXT, "empty text")
-        assert self.engine is not None
-        limit = self.engine.config.max_text_chars
+        limit = stream.max_text_chars
         if stream.chars + len(text) > limit:
             raise refuse(
                 ErrorCode.TEXT_TOO_LONG,
