@@ -65,7 +65,7 @@ async def test_http_needs_a_key_but_healthz_does_not(keyed):
         assert response.status_code == 200 and response.content
         health = await http.get(f"{server.url}/healthz")
         assert health.status_code == 200 and "source" not in health.json()
-        for path in ("/stats", "/metrics"):
+        for path in ("/stats", "/metrics", "/v1/models"):
             assert (await http.get(f"{server.url}{path}")).status_code == 401
             ok = await http.get(
                 f"{server.url}{path}", headers={"authorization": f"Bearer {KEYS[0]}"}

@@ -180,7 +180,12 @@ async def speech(request: Request, runtime: Runtime) -> Response:
 
 async def models(request: Request, runtime: Runtime) -> Response:
     """`GET /v1/models`, as OpenAI lists models, with intone's details on each: its aliases
-    (what `model` may also say), language, voices and default voice. The first is the default."""
+    (what `model` may also say), language, voices and default voice. The first is the default.
+    Needs a key when the server has keys, as the speech endpoint does."""
+    try:
+        _key_label(request, runtime)
+    except ApiError as e:
+        return e.response("req_" + uuid.uuid4().hex[:24])
     try:
         await runtime.ready()
     except EngineUnavailableError as e:
@@ -196,12 +201,7 @@ async def models(request: Request, runtime: Runtime) -> Response:
 
 
 async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any) -> Response:
-    access = runtime.access
-    label = access.key_label(bearer(request.headers))
-    if access.keys_required and label is None:
-        raise ApiError(
-            401, ErrorCode.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer KEY"
-        )
+    label = _key_label(request, runtime)
     tenant = label or (request.client.host if request.client else "?")
     try:
         engine = await runtime.ready()
@@ -286,6 +286,17 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         media_type="text/event-stream" if sse else CONTENT_TYPES[request_.format],
         headers=headers,
     )
+
+
+def _key_label(request: Request, runtime: Runtime) -> str | None:
+    """The label of the request's key; ApiError 401 if the server needs one and it has none."""
+    access = runtime.access
+    label = access.key_label(bearer(request.headers))
+    if access.keys_required and label is None:
+        raise ApiError(
+            401, ErrorCode.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer KEY"
+        )
+    return label
 
 
 class _Request:
