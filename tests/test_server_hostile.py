@@ -276,6 +276,15 @@ async def test_slow_reader_is_dropped_while_another_stays_real_time(tiny_checkpo
             stats = await wait_server_streams(server.url, 0, timeout=15)
             assert stats["server"]["errors"].get("slow_client", 0) >= 1, stats
             await wait_engine_idle(engine, pages, timeout=15)
+            # Its connection goes too (once the close handshake gives up on it).
+            runtime = server.app.state.intone
+            deadline = time.monotonic() + 30
+            while runtime.connections or runtime.limits.connections:
+                assert time.monotonic() < deadline, (
+                    runtime.connections,
+                    runtime.limits.connections,
+                )
+                await asyncio.sleep(0.1)
         finally:
             sampler.cancel()
             silent.close()

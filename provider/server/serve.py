@@ -83,6 +83,7 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
         host=host,
         port=port,
         http=header_timeout_protocol(settings.header_timeout),
+        ws=closing_websocket_protocol(min(10.0, settings.slow_client_timeout)),
         log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
         lifespan="on",
         # Bigger than our own message limit, so an oversized message gets an error event
@@ -121,6 +122,32 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
                 transport.close()
 
     return HeaderTimeoutProtocol
+
+
+def closing_websocket_protocol(grace: float) -> type[asyncio.Protocol] | str:
+    """uvicorn's WebSocket protocol, but a close requested while the client is not reading
+    (the socket's buffers full) aborts the connection after `grace` seconds: uvicorn would
+    otherwise wait for the client to read before it even writes the close frame, and a client
+    that never reads would hold the connection open."""
+    try:
+        from uvicorn.protocols.websockets.websockets_sansio_impl import (
+            WebSocketsSansIOProtocol as Base,
+        )
+    except ImportError:  # another implementation: uvicorn's choice, its own close handling
+        return "auto"
+
+    class ClosingWebSocketProtocol(Base):  # type: ignore[misc, valid-type]
+        async def send(self, message: Any) -> None:
+            if message["type"] == "websocket.close" and not self.writable.is_set():
+                self.loop.call_later(grace, self._abort_if_connected)
+            await super().send(message)
+
+        def _abort_if_connected(self) -> None:
+            if not self.disconnected:
+                logger.info("aborting a WebSocket whose client does not read its close frame")
+                self.transport.abort()
+
+    return ClosingWebSocketProtocol
 
 
 async def _run(server: DrainingServer) -> None:

@@ -190,8 +190,9 @@ class Connection:
             for stream in list(self.streams.values()):
                 self._abandon(stream, "client disconnected")
             self._outbox.put_nowait(None)
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(self._writer, 1.0)
+            # wait(), not wait_for(): the writer may have been cancelled (a slow client), and
+            # its CancelledError must not cut this cleanup short.
+            await asyncio.wait({self._writer}, timeout=1.0)
             self._writer.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=1.0)
