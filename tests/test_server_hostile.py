@@ -291,6 +291,40 @@ async def test_slow_reader_is_dropped_while_another_stays_real_time(tiny_checkpo
         assert peak - rss_before < RSS_BOUND_MB, (rss_before, peak)
 
 
+async def test_http_slow_reader_is_cut_and_its_socket_closed(tiny_checkpoint):
+    settings_ = dict(slow_client_timeout=2.0)
+    with running_server(tiny_checkpoint, **settings_) as (server, engine):
+        pages = idle_pages(engine)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        text = ((LONG_TEXT + " ") * 6)[:19_000]  # minutes of audio: more than socket buffers
+        body = json.dumps({"input": text, "response_format": "pcm", "sample_rate": 48000})
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body.encode()
+        )
+        await writer.drain()
+        writer.transport.pause_reading()
+        try:
+            stats = await wait_server_streams(server.url, 1, timeout=10)
+            stats = await wait_server_streams(server.url, 0, timeout=20)
+            assert stats["server"]["errors"].get("slow_client", 0) >= 1, stats
+            await wait_engine_idle(engine, pages)
+            # The server's side of the socket goes too, though the client never read.
+            deadline = time.monotonic() + 20
+            while server.server.server_state.connections:
+                assert time.monotonic() < deadline, server.server.server_state.connections
+                await asyncio.sleep(0.1)
+        finally:
+            writer.close()
+
+
 # ---- idle streams
 
 

@@ -82,8 +82,8 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
         app,
         host=host,
         port=port,
-        http=header_timeout_protocol(settings.header_timeout),
-        ws=closing_websocket_protocol(min(10.0, settings.slow_client_timeout)),
+        http=header_timeout_protocol(settings.header_timeout, _close_grace(settings)),
+        ws=closing_websocket_protocol(_close_grace(settings)),
         log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
         lifespan="on",
         # Bigger than our own message limit, so an oversized message gets an error event
@@ -94,8 +94,32 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
     )
 
 
-def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, closing connections whose headers take over `timeout` s."""
+def _close_grace(settings: ServerSettings) -> float:
+    """How long a closing connection may take to send what is queued for it."""
+    return min(10.0, settings.slow_client_timeout)
+
+
+class _ClosingTransport:
+    """A transport whose close() gives up on unsent data after `grace` seconds. asyncio's own
+    close() waits for the write buffer to drain, which a client that does not read never lets
+    happen: a cut response to such a client would hold its socket forever."""
+
+    def __init__(self, transport: asyncio.Transport, grace: float):
+        self._transport = transport
+        self._grace = grace
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(self._grace, self._transport.abort)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def header_timeout_protocol(timeout: float, close_grace: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing connections whose headers take over `timeout` s, and
+    whose close gives up on a client that does not read after `close_grace` s."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # no httptools: uvicorn's pure-Python h11 protocol
@@ -103,7 +127,7 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
 
     class HeaderTimeoutProtocol(Base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
+            super().connection_made(_ClosingTransport(transport, close_grace))
             self._arm_header_timer()
 
         def on_response_complete(self) -> None:
