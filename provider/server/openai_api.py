@@ -137,6 +137,8 @@ class HttpStream:
         if self.released:
             return
         self.released = True
+        if outcome == "disconnected" and self.cut is not None:
+            outcome = self.cut  # the server ended it (e.g. a slow client), not the client
         if outcome != "done":
             self.engine_stream.cancel()  # the client left (or it failed): free engine state
         self.runtime.remove_stream(self)
@@ -468,6 +470,7 @@ class _GuardedStreamingResponse(StreamingResponse):
             try:
                 await asyncio.wait_for(send(message), timeout)
             except TimeoutError:
+                self.handle.cut = self.handle.cut or "slow_client"
                 runtime.metrics.error(str(ErrorCode.SLOW_CLIENT))
                 logger.warning("dropping a slow HTTP client: no audio taken for %g s", timeout)
                 raise _Truncated("slow client") from None
