@@ -90,6 +90,11 @@ def _say(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from intone.provider.server.serve import options_from_args, serve
 
+    if args.ray:
+        from intone.provider.server.ray_serve import ray_options_from_args, serve_ray
+
+        serve_ray(options_from_args(args), ray_options_from_args(args))
+        return
     serve(options_from_args(args))
 
 
@@ -228,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
     serve.add_argument("--kv-memory-mb", type=float, default=256.0)
     serve.add_argument("--device", default="cpu")
+    from intone.provider.server.ray_serve import add_ray_arguments  # intone serve --ray
+
+    add_ray_arguments(serve)
     serve.set_defaults(run=_serve)
     return parser
 

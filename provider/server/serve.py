@@ -47,17 +47,7 @@ class ServeOptions:
 def serve(options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, drain, release the engine; returns normally (exit status 0)."""
     configure_logging(options.log_level, options.log_json)
-    settings = options.settings
-    if is_loopback(options.host) and not settings.allowed_hosts:
-        # DNS rebinding: a page from a public name that resolves to 127.0.0.1 is refused.
-        settings.allowed_hosts = (*LOOPBACK_HOSTS, options.host)
-    settings.validate()
-    if not settings.api_keys and not is_loopback(options.host):
-        logger.warning(
-            "!!! serving on %s WITHOUT API KEYS: anyone who can reach this port can use it. "
-            "Set --api-key or INTONE_API_KEYS (docs/server.md, 'Running it on the internet').",
-            options.host,
-        )
+    settings = prepare_settings(options)
     specs: list[str | None] = (
         list(options.model) if isinstance(options.model, list) else [options.model]
     ) or [None]
@@ -74,6 +64,23 @@ def serve(options: ServeOptions) -> None:
         for engine in engines:
             engine.close()
         logger.info("engine released; bye")
+
+
+def prepare_settings(options: ServeOptions) -> ServerSettings:
+    """The settings for serving on `options.host` (also `intone serve --ray`'s proxy): a Host
+    check on loopback, validation, and a loud warning when exposed without keys."""
+    settings = options.settings
+    if is_loopback(options.host) and not settings.allowed_hosts:
+        # DNS rebinding: a page from a public name that resolves to 127.0.0.1 is refused.
+        settings.allowed_hosts = (*LOOPBACK_HOSTS, options.host)
+    settings.validate()
+    if not settings.api_keys and not is_loopback(options.host):
+        logger.warning(
+            "!!! serving on %s WITHOUT API KEYS: anyone who can reach this port can use it. "
+            "Set --api-key or INTONE_API_KEYS (docs/server.md, 'Running it on the internet').",
+            options.host,
+        )
+    return settings
 
 
 def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> uvicorn.Config:
