@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ MANIFEST = ROOT / "docs" / "deploy" / "rayservice.yaml"
 STREAMS_PER_CONNECTION = 2
 MAX_ACTIVE = 8
 CONNECTIONS_PER_REPLICA = MAX_ACTIVE // STREAMS_PER_CONNECTION
+KEY = "ray-test-key"
 TEXT = "Hello there. This is a test of the scale-out path, one clause after another."
 
 
@@ -127,8 +129,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint: Path):
+    """The app behind Ray's proxy, with an API key (IntoneClient reads INTONE_API_KEY)."""
     from ray import serve
 
+    saved_key = os.environ.get("INTONE_API_KEY")
+    os.environ["INTONE_API_KEY"] = KEY
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="intone-test")
     try:
@@ -137,7 +142,7 @@ def cluster(tiny_checkpoint: Path):
             model=str(tiny_checkpoint),
             fallback_preset=None,
             engine_config=EngineConfig(max_active=MAX_ACTIVE),
-            settings=ServerSettings(drain_timeout=5.0),
+            settings=ServerSettings(drain_timeout=5.0, api_keys=(KEY,)),
         )
         layout = RayOptions(
             replicas=2,
@@ -152,6 +157,10 @@ def cluster(tiny_checkpoint: Path):
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        if saved_key is None:
+            os.environ.pop("INTONE_API_KEY", None)
+        else:
+            os.environ["INTONE_API_KEY"] = saved_key
 
 
 def _replica_actor(replica: str):
@@ -162,7 +171,11 @@ def _replica_actor(replica: str):
 
 
 async def _raw_connection(url: str, timeout: float = 10.0):
-    ws = await connect(f"{url}/v1/stream", open_timeout=timeout)
+    ws = await connect(
+        f"{url}/v1/stream",
+        open_timeout=timeout,
+        additional_headers={"Authorization": f"Bearer {KEY}"},
+    )
     hello = json.loads(await asyncio.wait_for(ws.recv(), timeout))
     assert hello["limits"]["max_streams"] == STREAMS_PER_CONNECTION
     return ws, ws.response.headers[REPLICA_HEADER]
@@ -185,6 +198,11 @@ async def test_streams_and_openai_requests_spread_over_both_replicas(cluster):
     assert len({replica for replica, _ in served}) == 2, served
 
     async with httpx.AsyncClient(timeout=60) as http:
+        # Keys and voice aliases work through the proxy as they do without it.
+        body = {"model": "tts-1", "voice": "alloy", "input": "Hi.", "response_format": "pcm"}
+        refused = await http.post(f"{cluster.http}/v1/audio/speech", json=body)
+        assert refused.status_code == 401
+        http.headers["authorization"] = f"Bearer {KEY}"
 
         async def speech() -> tuple[str, int]:
             # Long enough that all 8 are in flight at once: 4 fill a replica.
