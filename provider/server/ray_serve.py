@@ -247,7 +247,7 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
                 # Health checks came back after a silence taken for a stop (a busy controller):
                 # this replica has drained and refuses streams, so have Ray replace it.
                 raise RuntimeError("drained after health checks stopped; replace this replica")
-            reason = await _unhealthy(runtime)
+            reason = await unhealthy_reason(runtime)
             if reason is not None:
                 if not runtime.draining:
                     logger.error("replica unhealthy: %s; closing its connections", reason)
@@ -311,7 +311,7 @@ def stop_silence(options: RayOptions) -> float:
     return max(5 * options.health_check_period_s, 10.0)
 
 
-async def _unhealthy(runtime: Any) -> str | None:
+async def unhealthy_reason(runtime: Any) -> str | None:
     """Why the replica cannot serve, or None."""
     from intone.provider.server.runtime import EngineUnavailableError
 
