@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import signal
@@ -229,6 +228,7 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
             self._last_health_check = time.monotonic()
             self._stopping = False
             self._watcher: asyncio.Task | None = None
+            self._closing: asyncio.Task | None = None  # the drain of an unhealthy replica
             self._gauges: dict[str, Any] = {}
 
         @property
@@ -249,9 +249,9 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
                 raise RuntimeError("drained after health checks stopped; replace this replica")
             reason = await unhealthy_reason(runtime)
             if reason is not None:
-                if not runtime.draining:
+                if self._closing is None and not runtime.draining:
                     logger.error("replica unhealthy: %s; closing its connections", reason)
-                    asyncio.get_running_loop().create_task(runtime.drain(0.0))
+                    self._closing = asyncio.get_running_loop().create_task(runtime.drain(0.0))
                 raise RuntimeError(f"intone engine unhealthy: {reason}")
 
         async def _watch(self) -> None:
@@ -260,8 +260,10 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
             silence = stop_silence(ray_options)
             while not self.runtime.closed:
                 await asyncio.sleep(min(ray_options.metrics_interval, 1.0))
-                with contextlib.suppress(Exception):
+                try:
                     self._export_metrics()
+                except Exception:  # metrics must never take the replica down
+                    logger.debug("exporting metrics to Ray failed", exc_info=True)
                 quiet = time.monotonic() - self._last_health_check
                 if quiet > silence and not self._stopping:
                     self._stopping = True
