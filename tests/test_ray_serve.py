@@ -108,11 +108,27 @@ def test_rayservice_manifest():
     app = schema.applications[0]
     assert app.import_path == "intone.provider.server.ray_serve:app_builder"
     assert app.route_prefix == "/"
+    # KubeRay's v1 RayServiceSpec / RayClusterSpec field names (deprecated ones refused).
+    assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy"}
     cluster = spec["rayClusterConfig"]
-    assert cluster["headGroupSpec"]["rayStartParams"]
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+    assert set(cluster) <= {
+        "rayVersion",
+        "enableInTreeAutoscaling",
+        "autoscalerOptions",
+        "headGroupSpec",
+        "workerGroupSpecs",
+        "headServiceAnnotations",
+    }
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        # rayStartParams is a map of strings; every pod needs a container with an image.
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
         containers = group["template"]["spec"]["containers"]
         assert containers and all(c["image"] for c in containers)
+    for group in cluster["workerGroupSpecs"]:
+        assert (
+            group["groupName"] and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        )
     # The args parse as `intone serve` flags and build the deployment.
     bound = app_builder(app.args)
     assert bound is not None
