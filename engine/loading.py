@@ -62,6 +62,8 @@ class LoadedModel:
     # Named voices: a WAV, a voice-state .safetensors, or an hf:// path to either.
     voices: dict[str, str] = field(default_factory=dict)
     default_voice: str | None = None
+    # The language the model speaks: spoken-form text (`normalize_text`) is written in it.
+    language: str = "en"
 
     @property
     def sample_rate(self) -> int:
@@ -195,6 +197,7 @@ def load_model(
             }
         )
         default_voice = DEFAULT_VOICES[releases.language_of(release)]
+    language = releases.language_of(release) if release else settings.get("language", "english")
     logger.info("loaded %s (%s weights) from %s", source, weights, weights_file)
     return LoadedModel(
         model=net,
@@ -205,6 +208,7 @@ def load_model(
         weights=weights,
         voices=voices,
         default_voice=default_voice,
+        language=releases.LANGUAGES.get(language, "en"),
     )
 
 

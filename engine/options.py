@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-from intone.engine.text import max_gen_len, prompt_tokens
+from intone.engine.text import max_gen_len, normalize_text, prompt_tokens
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -33,9 +33,12 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "noise_clamp": (0.0, 100.0),
     "seed": (0, 2**63 - 1),
     "chain_frames": (0, 32),  # 2.6 s of the previous clause
+    "speed": (0.5, 2.0),  # time-scale of the delivered audio; pitch is kept
 }
 _OPEN_LOW = {"noise_clamp"}
 _INTEGERS = {"frames_after_eos", "max_frames", "flow_steps", "seed", "chain_frames"}
+_BOOLEANS = {"normalize"}
+_REQUIRED = {"flow_steps", "chain_frames", "speed", "normalize"}
 
 
 @dataclass
@@ -48,6 +51,9 @@ class GenerationOptions:
     noise_clamp: float | None = None
     seed: int | None = None  # None: a fresh random seed
     chain_frames: int = 4  # 0 turns clause chaining off
+    # Read "$12.50" as "twelve dollars and fifty cents": `normalize_text` on every clause.
+    normalize: bool = True
+    speed: float = 1.0  # 0.5-2.0; the audio is time-scaled after decoding, pitch unchanged
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,7 +71,11 @@ def option_names() -> list[str]:
 
 def check_option(name: str, value: object) -> None:
     """Refuse a value of the wrong type, NaN, infinity or out of its field's range."""
-    if value is None and name not in ("flow_steps", "chain_frames"):
+    if value is None and name not in _REQUIRED:
+        return
+    if name in _BOOLEANS:
+        if not isinstance(value, bool):
+            raise InvalidOptionError(f"{name} must be true or false, got {type(value).__name__}")
         return
     low, high = _BOUNDS[name]
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -113,6 +123,9 @@ class ClauseProgress:
 
 
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    # Spoken form first: "$1,234.56" is a dozen words, and the frame budget follows the tokens.
+    if options.normalize:
+        clause = normalize_text(clause, loaded.language) or clause
     tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
     frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
     if options.max_frames is not None:

@@ -7,14 +7,16 @@ asyncio loop, several loops at once included (LiveKit's thread executor gives ev
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from intone.engine.sequence import Clause, Request, RequestMetrics
 from intone.engine.text import ClauseSplitter
+from intone.engine.timeline import Timeline, WordTiming
 
 if TYPE_CHECKING:
     from intone.engine.engine import Engine
@@ -30,9 +32,20 @@ class AudioChunk:
 
 @dataclass
 class ClauseDone:
+    """A clause's audio has all been delivered; where it lies in the stream's audio.
+
+    `start_sample` and `samples` count the samples the caller received (at the stream's speed;
+    exact at speed 1.0). `words` are the caller's own words of `text` with estimated times, in
+    seconds from the stream's first sample (`timeline.py` says how they are estimated).
+    """
+
     clause: int
     text: str
     frames: int
+    eos_frame: int | None = None  # the clause's frame where the model signalled end of speech
+    start_sample: int = 0
+    samples: int = 0
+    words: list[WordTiming] = field(default_factory=list)
 
 
 class Stream:
@@ -49,6 +62,9 @@ class Stream:
         self._chars = 0
         self._clauses = 0
         self._has_text = False
+        # Speed and clause/word timing, applied as events reach the caller.
+        self._timeline = Timeline.for_stream(engine.loaded, request.options)
+        self._ready: deque[AudioChunk | ClauseDone] = deque()
 
     @property
     def id(self) -> str:
@@ -86,6 +102,7 @@ class Stream:
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
+        self._ready.clear()
         self._events.put_nowait(None)
 
     def _check_open(self) -> None:
@@ -117,16 +134,28 @@ class Stream:
         return self
 
     async def __anext__(self) -> AudioChunk | ClauseDone:
-        if self._ended:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if event is None:
-            self._ended = True
-            raise StopAsyncIteration
-        if isinstance(event, Exception):
-            self._ended = True
-            raise event
-        return event
+        while not self._ready:
+            if self._ended:
+                raise StopAsyncIteration
+            event = await self._events.get()
+            if event is None:
+                self._ended = True
+                if not self.request.cancelled:  # a cancelled stream delivers nothing more
+                    tail = self._timeline.end()
+                    if len(tail):
+                        self._ready.append(AudioChunk(tail, self._timeline.last_clause))
+            elif isinstance(event, Exception):
+                self._ended = True
+                raise event
+            elif isinstance(event, AudioChunk):
+                chunk = self._timeline.audio(event)
+                if chunk is not None:
+                    self._ready.append(chunk)
+            elif isinstance(event, ClauseDone):
+                self._ready.append(self._timeline.clause_done(event))
+            else:
+                self._ready.append(event)
+        return self._ready.popleft()
 
     async def audio(self) -> AsyncIterator[np.ndarray]:
         async for event in self:

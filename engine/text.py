@@ -25,6 +25,10 @@ from typing import Any, Protocol
 import sentencepiece
 import tokenizers
 
+# Spoken-form text has its own module; it is part of the text API, under this name.
+from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
+from intone.engine.spoken_form import normalize_text as normalize_text
+
 logger = logging.getLogger(__name__)
 
 # The reference's MAX_TOKEN_PER_CHUNK: longer chunks make the model skip words.
@@ -299,6 +303,36 @@ _ABBREVIATIONS = frozenset(
 _MAX_TOKENS_PER_CHAR = 4
 
 
+_HOUSE_NUMBER = re.compile(r"\d{1,5}[A-Za-z]?")
+
+
+def _last_word(buf: str, end: int) -> str:
+    return buf[:end].rsplit(None, 1)[-1]
+
+
+def _needs_next_char(buf: str, end: int) -> bool:
+    """Whether the cut at the whitespace at `end` depends on the character after it."""
+    return _last_word(buf, end).lower() in WORDS_BEFORE_NUMBERS
+
+
+def _inside_number(buf: str, end: int) -> bool:
+    """Whether the whitespace at `end` is inside a number, time, date, price or address.
+
+    "3:45 pm", "November 30, 2026", "$ 12", "555 0123", "221B Baker Street", "5 km": a word with
+    digits is never cut from the word after it, nor a month, currency or "No." from its number,
+    nor a house number's street name from its next word.
+    """
+    words = buf[:end].rsplit(None, 2)[-2:]
+    word = words[-1]
+    core = word.rstrip(",;:")
+    if core and core[-1].isalnum() and any(c.isdigit() for c in core):
+        return True
+    if len(words) == 2 and _HOUSE_NUMBER.fullmatch(words[0]) and word[:1].isupper():
+        return True  # "221B Baker | Street"
+    nxt = buf[end + 1 : end + 2]
+    return nxt.isdigit() and word.lower() in WORDS_BEFORE_NUMBERS
+
+
 def _is_abbreviation(core: str) -> bool:
     """Whether the period ending `core` closes an abbreviation rather than a sentence."""
     stem = core.split()[-1].lstrip(_OPENERS)[:-1].lower()
@@ -326,7 +360,9 @@ class ClauseSplitter:
     very short inputs. The first clause after construction or a flush only needs
     `first_min_tokens`, so that audio starts early. No clause exceeds `max_tokens`: a clause that
     would is cut at its last whitespace (inside a single word longer than that, at the last
-    character that fits). Clauses are stripped; empty ones are never returned.
+    character that fits). No cut falls inside a number, time, date, price or address ("3:45 pm",
+    "November 30, 2026", "221B Baker Street": `_inside_number`), unless one such span alone is
+    over `max_tokens`. Clauses are stripped; empty ones are never returned.
     """
 
     def __init__(
@@ -395,10 +431,13 @@ class ClauseSplitter:
             cut: int | None = None
             if ch.isspace():
                 if i > 0 and not buf[i - 1].isspace():  # the end of a word
+                    if i + 1 == len(buf) and not final and _needs_next_char(buf, i):
+                        return out  # whether a digit follows decides; wait for it
                     cut = self._overflow_cut(i)
-                    if cut is None and self._is_boundary(i):
+                    inside = _inside_number(buf, i)
+                    if cut is None and not inside and self._is_boundary(i):
                         cut = i
-                    if cut is None:
+                    if cut is None and not inside:
                         self._word_end = i
             elif self._word_end is None and self._word_overflows(i + 1):
                 cut = i

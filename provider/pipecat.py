@@ -10,12 +10,12 @@ See `IntoneTTSService` for the design and docs/providers.md for a quick start.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
 from pipecat.audio.utils import create_stream_resampler
 from pipecat.frames.frames import (
     ErrorFrame,
@@ -29,20 +29,12 @@ from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
 from pipecat.utils.errors import ErrorCategory
+from pipecat.utils.tracing.service_decorators import traced_tts
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
-from intone.engine import (
-    AudioChunk,
-    ClauseDone,
-    Engine,
-    EngineConfig,
-    EngineError,
-    EngineFullError,
-    LoadedModel,
-)
+from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel
 from intone.provider import shared
-
-logger = logging.getLogger(__name__)
+from intone.provider.errors import Kind, error_kind, is_busy
 
 # Generation settings a turn's stream takes from the service settings.
 GENERATION_FIELDS = (
@@ -53,7 +45,13 @@ GENERATION_FIELDS = (
     "noise_clamp",
     "seed",
     "chain_frames",
+    "speed",
+    "normalize",
 )
+
+# Retries of a turn whose stream the engine or server refused as busy, before its first audio:
+# waits of 0.05, 0.1, 0.2, 0.4 and 0.8 s (1.55 s in all), then a non-permanent error.
+BUSY_RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 # The longest wait for a context's next audio item (first audio or any gap) before Pipecat ends
 # the context. Pipecat's 3 s is too short for a loaded engine: a turn that arrives while every
@@ -83,6 +81,8 @@ class IntoneTTSSettings(TTSSettings):
     noise_clamp: float | None | NotGiven = _given()
     seed: int | None | NotGiven = _given()
     chain_frames: int | None | NotGiven = _given()
+    speed: float | None | NotGiven = _given()  # 0.5-2.0, pitch kept
+    normalize: bool | None | NotGiven = _given()  # numbers, prices, dates... read as words
 
     def generation(self) -> dict[str, Any]:
         values = {name: getattr(self, name) for name in GENERATION_FIELDS}
@@ -99,8 +99,6 @@ class _Turn:
     task: asyncio.Task | None = None
     has_text: bool = False
     input_ended: bool = False
-    # Output samples so far, to place each clause's words in time.
-    samples_out: int = 0
 
 
 class IntoneTTSService(TTSService):
@@ -133,9 +131,20 @@ class IntoneTTSService(TTSService):
     Audio is 16-bit PCM at the pipeline's output rate, resampled from the model's 24 kHz when it
     differs. TTFB (text to first audio of a context) and usage metrics are reported.
 
-    Word timestamps (`word_timestamps=True`) are estimates: each clause's words are spread over
-    that clause's audio in proportion to their characters, as LiveKit's StreamAdapter does. The
-    engine does not align words. Off by default: sentence text frames are pushed instead.
+    Word timestamps (on by default): the engine reports each clause's exact place in the audio
+    and estimated times for its words (the clause's speech shared out by the model tokens of
+    each word's spoken form, `intone.engine.timeline`), for the words as the LLM sent them, so
+    the context aggregator keeps only the words that were played when a turn is interrupted.
+    Remote mode gets the same times over the protocol. `word_timestamps=False` pushes the text
+    frames without times instead.
+
+    Errors are categorised by the engine's and server's error codes, the same in-process and
+    remote (`intone.provider.errors`): a refused text is APPLICATION (this turn only), a bad
+    voice or option INVALID_REQUEST, a busy engine or server RATE_LIMIT, after up to
+    `BUSY_RETRY_DELAYS_S` of retries before the turn's first audio.
+
+    Loading: the shared engine loads in `start()`, off the event loop (`shared.prewarm(model)`
+    before the pipeline starts loads it ahead; an engine already loaded is used at once).
 
     Remote mode: `base_url="ws://host:port"` sends the text to an `intone serve` process (its
     engine batches the requests of every client) through `intone.provider.client`.
@@ -154,10 +163,11 @@ class IntoneTTSService(TTSService):
         settings: IntoneTTSSettings | None = None,
         text_aggregation_mode: TextAggregationMode | None = TextAggregationMode.TOKEN,
         stop_frame_timeout_s: float = DEFAULT_STOP_FRAME_TIMEOUT_S,
-        word_timestamps: bool = False,
+        word_timestamps: bool = True,
         **kwargs: Any,
     ):
-        """Create the service; in-process, the shared engine is loaded here (once per process).
+        """Create the service; in-process, the shared engine loads in `start()` (once per
+        process), unless it is already running.
 
         Args:
             model: checkpoint directory, config .yaml, hf:// path or "kyutai/pocket-tts" (the
@@ -168,7 +178,7 @@ class IntoneTTSService(TTSService):
             settings: voice and generation settings (`IntoneTTSService.Settings`).
             text_aggregation_mode: TOKEN (default, see the class docstring) or SENTENCE.
             stop_frame_timeout_s: the longest wait for a context's next audio item.
-            word_timestamps: push word-timed text frames (estimates) instead of sentences.
+            word_timestamps: push word-timed text frames (on by default).
             **kwargs: passed to `TTSService` (e.g. `sample_rate`).
         """
         if base_url is not None and engine is not None:
@@ -199,20 +209,22 @@ class IntoneTTSService(TTSService):
         self._word_timestamps = word_timestamps
         self._turns: dict[str, _Turn] = {}
         self._failed: set[str] = set()  # contexts whose stream could not be opened or fed
-        # Pipecat's local TTS services load their model in the constructor; the registry makes
-        # that once per process, and every later service of the same model shares the engine.
-        self._backend: shared.SpeechBackend
+        self._model = model
+        self._engine_config = engine_config
+        # In-process, the registry loads the model once per process and every service of the
+        # same model shares its engine; a load blocks, so it waits for `start()`.
+        self._backend: shared.SpeechBackend | None = None
         if base_url is not None:
             self._backend = shared.RemoteBackend(base_url)
         elif engine is not None:
             self._backend = shared.EngineBackend(shared.borrow(engine))
-        else:
-            self._backend = shared.EngineBackend(shared.acquire(model, config=engine_config))
+        elif (lease := shared.acquire_loaded(model)) is not None:
+            self._backend = shared.EngineBackend(lease)
 
     @property
     def engine(self) -> Engine | None:
-        """The in-process engine (None in remote mode)."""
-        return self._backend.shared_engine
+        """The in-process engine (None in remote mode, and before `start()` loads it)."""
+        return self._backend.shared_engine if self._backend is not None else None
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -232,22 +244,33 @@ class IntoneTTSService(TTSService):
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
+        if self._backend is None:
+            # Off the event loop: other pipelines of the process keep running while it loads.
+            lease = await shared.acquire_async(self._model, config=self._engine_config)
+            self._backend = shared.EngineBackend(lease)
         if isinstance(self._backend, shared.RemoteBackend):
             # Connect now rather than on the first turn's text; a failure is reported then.
             try:
                 await self._backend.connect()
             except Exception as e:
-                logger.warning("%s: cannot reach %s yet: %s", self, self._backend.base_url, e)
+                logger.warning(f"{self}: cannot reach {self._backend.base_url} yet: {e}")
+                await self._call_event_handler("on_connection_error", str(e))
+            else:
+                await self._call_event_handler("on_connected")
 
     async def cleanup(self) -> None:
         await super().cleanup()
         for turn in list(self._turns.values()):
             await self._drop_turn(turn)
-        # Gives this service's hold on the shared engine back; other holders keep it running.
-        await self._backend.aclose()
+        if self._backend is not None:
+            # Gives this service's hold on the shared engine back; other holders keep it.
+            await self._backend.aclose()
+            if isinstance(self._backend, shared.RemoteBackend):
+                await self._call_event_handler("on_disconnected")
 
     # ---- text in
 
+    @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
         if context_id in self._failed:
             yield None  # reported once; the rest of the turn's text is dropped
@@ -259,7 +282,7 @@ class IntoneTTSService(TTSService):
             if turn.input_ended:
                 # The context's input was already ended; Pipecat opens a new context per turn,
                 # so this is a stray piece of text.
-                logger.warning("%s: text after the end of context %s dropped", self, context_id)
+                logger.warning(f"{self}: text after the end of context {context_id} dropped")
             else:
                 await turn.speech.push_text(text)
                 turn.has_text |= bool(text.strip())
@@ -297,10 +320,21 @@ class IntoneTTSService(TTSService):
             turn.speech.cancel()  # whitespace only: nothing to say
 
     async def _open_turn(self, context_id: str) -> _Turn:
-        # A remote server resamples to the rate asked for; the local engine yields its own.
-        speech = await self._backend.open_stream(
-            self._settings.voice, self._settings.generation(), self.sample_rate
-        )
+        if self._backend is None:
+            raise RuntimeError(f"{self} was not started")
+        # Before the turn's first audio a busy engine or server is worth waiting for.
+        for delay in (*BUSY_RETRY_DELAYS_S, None):
+            try:
+                # A remote server resamples to the rate asked for; the engine yields its own.
+                speech = await self._backend.open_stream(
+                    self._settings.voice, self._settings.generation(), self.sample_rate
+                )
+                break
+            except Exception as e:
+                if delay is None or not is_busy(e):
+                    raise
+                logger.debug(f"{self}: busy, retrying context {context_id} in {delay} s: {e}")
+                await asyncio.sleep(delay)
         resampler = None
         if speech.sample_rate != self.sample_rate:
             # One resampler per turn: its filter history belongs to one audio stream, and
@@ -317,17 +351,17 @@ class IntoneTTSService(TTSService):
         context_id = turn.context_id
         source_rate = turn.speech.sample_rate
         try:
-            clause_start = 0
             async for event in turn.speech:
                 if isinstance(event, AudioChunk):
                     pcm = shared.to_pcm16(event.samples)
                     if turn.resampler is not None:
                         pcm = await turn.resampler.resample(pcm, source_rate, self.sample_rate)
                     await self._append_audio(turn, pcm)
-                elif isinstance(event, ClauseDone):
-                    if self._word_timestamps:
-                        await self._add_clause_words(turn, event.text, clause_start)
-                    clause_start = turn.samples_out
+                elif isinstance(event, ClauseDone) and self._word_timestamps and event.words:
+                    # Seconds from the turn's first audio, which is where Pipecat starts them.
+                    await self.add_word_timestamps(
+                        [(w.word, w.start) for w in event.words], turn.context_id
+                    )
             if turn.resampler is not None:
                 await self._append_audio(turn, await turn.resampler.flush())
         except asyncio.CancelledError:
@@ -344,25 +378,10 @@ class IntoneTTSService(TTSService):
     async def _append_audio(self, turn: _Turn, pcm: bytes) -> None:
         if not pcm:
             return
-        turn.samples_out += len(pcm) // 2
         await self.append_to_audio_context(
             turn.context_id,
             TTSAudioRawFrame(pcm, self.sample_rate, 1, context_id=turn.context_id),
         )
-
-    async def _add_clause_words(self, turn: _Turn, text: str, clause_start: int) -> None:
-        """Estimated word times: the clause's audio span shared out by characters."""
-        words = text.split()
-        if not words:
-            return
-        start = clause_start / self.sample_rate
-        span = (turn.samples_out - clause_start) / self.sample_rate
-        total = sum(len(w) for w in words)
-        times, before = [], 0
-        for word in words:
-            times.append((word, start + span * before / total))
-            before += len(word)
-        await self.add_word_timestamps(times, turn.context_id)
 
     # ---- interruption and clean-up
 
@@ -396,26 +415,19 @@ class IntoneTTSService(TTSService):
         return frame
 
 
+# By the failure's kind, the same in-process and remote. Only INVALID_REQUEST (and the
+# credentials) are permanent for Pipecat: a refused text, a busy engine or a dropped
+# connection must not switch the service off for the rest of the call.
+_CATEGORIES = {
+    Kind.BAD_REQUEST: ErrorCategory.INVALID_REQUEST,
+    Kind.BAD_INPUT: ErrorCategory.APPLICATION,
+    Kind.BUSY: ErrorCategory.RATE_LIMIT,
+    Kind.CONNECTION: ErrorCategory.CONNECTIVITY,
+    Kind.SERVER: ErrorCategory.SERVER,
+    Kind.AUTH: ErrorCategory.AUTHENTICATION,
+    Kind.UNKNOWN: ErrorCategory.UNKNOWN,
+}
+
+
 def _error_category(e: Exception) -> ErrorCategory:
-    remote = shared.remote_error_status(e)
-    if remote is not None:
-        status, _ = remote
-        if status is None:
-            return ErrorCategory.CONNECTIVITY
-        if status == 503 or status == 429:
-            return ErrorCategory.RATE_LIMIT
-        if 400 <= status < 500:
-            return ErrorCategory.INVALID_REQUEST
-        return ErrorCategory.SERVER
-    if isinstance(e, EngineFullError):
-        return ErrorCategory.RATE_LIMIT
-    if isinstance(e, ValueError):
-        # An unknown voice stays wrong until the settings change; bad text is the app's.
-        if "voice" in str(e):
-            return ErrorCategory.INVALID_REQUEST
-        return ErrorCategory.APPLICATION
-    if isinstance(e, EngineError):
-        return ErrorCategory.SERVER
-    if isinstance(e, (ConnectionError, TimeoutError)):
-        return ErrorCategory.CONNECTIVITY
-    return ErrorCategory.UNKNOWN
+    return _CATEGORIES[error_kind(e)]

@@ -38,7 +38,9 @@ from intone.engine import (
     LoadedModel,
     Stream,
 )
+from intone.engine.errors import InvalidOptionError, UnknownVoiceError
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.engine.timeline import WordTiming
 from intone.provider.server import protocol
 from intone.provider.server.protocol import ErrorCode
 
@@ -153,6 +155,16 @@ def acquire(
     return EngineLease(entry, entry.engine)
 
 
+def acquire_loaded(model: ModelSpec = None) -> EngineLease | None:
+    """A lease on the shared engine of `model` if it is already running; never loads."""
+    with _lock:
+        entry = _entries.get(model_key(model))
+        if entry is None:
+            return None
+        entry.refs += 1
+    return EngineLease(entry, entry.engine)
+
+
 async def acquire_async(
     model: ModelSpec = None, *, config: EngineConfig | None = None, warm: bool = True
 ) -> EngineLease:
@@ -244,7 +256,7 @@ def ensure_voice(engine: Engine, voice: str | None) -> str | None:
     if source is None and voice.startswith("hf://"):
         source = voice
     if source is None:
-        raise ValueError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
+        raise UnknownVoiceError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
     entry = _entry_of(engine)
     lock = entry.voice_lock if entry is not None else threading.Lock()
     with lock:
@@ -325,6 +337,11 @@ class SpeechStream(Protocol):
         """Clauses handed to the engine so far (0 where unknown)."""
         ...
 
+    @property
+    def request_id(self) -> str:
+        """The engine's (or the server's) id of this request, for traces and logs."""
+        ...
+
     async def push_text(self, text: str) -> None: ...
     async def end_input(self) -> None: ...
     def cancel(self) -> None:
@@ -357,6 +374,10 @@ class EngineSpeech:
     @property
     def submitted_clauses(self) -> int:
         return self.stream.metrics.clauses
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.id
 
     async def push_text(self, text: str) -> None:
         self.stream.push_text(text)
@@ -406,7 +427,7 @@ def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOption
     known = {f.name for f in fields(GenerationOptions)}
     unknown = set(settings) - known
     if unknown:
-        raise ValueError(f"unknown generation settings: {sorted(unknown)}")
+        raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {
         "chain_frames": engine.config.default_chain_frames,
         # Fixed per engine: the flow head's step count is compiled into its batches.
@@ -470,6 +491,10 @@ class RemoteSpeech:
     def submitted_clauses(self) -> int:
         return 0  # the server does not report it while the input is open
 
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id or ""
+
     async def push_text(self, text: str) -> None:
         await self.stream.push_text(text)
 
@@ -492,7 +517,14 @@ class RemoteSpeech:
             if isinstance(item, bytes):
                 yield AudioChunk(np.frombuffer(item, dtype="<f4"), clause)
             elif isinstance(item, protocol.ClauseDoneEvent):
-                yield ClauseDone(item.clause, item.text, item.frames)
+                yield ClauseDone(
+                    item.clause,
+                    item.text,
+                    item.frames,
+                    start_sample=round(item.start * self.sample_rate),
+                    samples=round(item.audio_seconds * self.sample_rate),
+                    words=[WordTiming(w.word, w.start, w.end) for w in item.words],
+                )
                 clause += 1
             else:
                 logger.warning("intone server: %s: %s", item.code, item.message)
@@ -523,6 +555,13 @@ class RemoteBackend:
     @property
     def shared_engine(self) -> Engine | None:
         return None
+
+    @property
+    def server_model(self) -> str | None:
+        """The model the server runs, from its hello (None before the first connection)."""
+        with self._lock:
+            clients = list(self._clients.values())
+        return next((c.hello.model for c in clients if c.hello is not None), None)
 
     async def _client(self) -> Any:
         from intone.provider.client import IntoneClient

@@ -26,8 +26,13 @@ from livekit.agents import (
     Plugin,
     llm,
 )
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+from livekit.agents.types import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    USERDATA_TIMED_TRANSCRIPT,
+    TimedString,
+)
 from livekit.agents.voice import io
+from livekit.agents.voice.transcription import TranscriptSynchronizer
 from livekit.plugins import intone
 
 from intone.engine import Engine, EngineConfig
@@ -38,6 +43,8 @@ from intone.provider.server import create_app
 FAST = {"eos_threshold": 1e9, "max_frames": 8}
 NO_RETRY = APIConnectOptions(max_retry=0, timeout=5.0)
 FRAME_SECONDS = 0.08  # one Mimi frame at 12.5 Hz
+# How far LiveKit's transcript synchronizer may trail the audio on a busy 2-core machine.
+LAG_SECONDS = 0.4
 
 
 # ---- framework pieces: a fake LLM and a real-time audio sink
@@ -530,3 +537,89 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ---- word timing through LiveKit's transcript synchronizer
+
+
+class RecordingTextOutput(io.TextOutput):
+    """The transcription sink at the end of the chain (a room's transcription track)."""
+
+    def __init__(self) -> None:
+        super().__init__(label="RecordingText", next_in_chain=None)
+        self.text = ""
+
+    async def capture_text(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+class TimedAudioOutput(RealtimeAudioOutput):
+    """Also records the timed words that ride on the frames (what the plugin sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed: list[TimedString] = []
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        self.timed.extend(frame.userdata.get(USERDATA_TIMED_TRANSCRIPT, []))
+        await super().capture_frame(frame)
+
+
+async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_checkpoint: Path):
+    """As a room with transcription runs it: a TranscriptSynchronizer in the output chain and
+    `use_tts_aligned_transcript=True`. After a barge-in the assistant message holds the words
+    whose timed start precedes the played position, from the plugin's word times (LiveKit's
+    syllable-rate estimate, which it uses without them, gives other words)."""
+    assert intone.TTS(model=tiny_checkpoint).capabilities.aligned_transcript
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    reply = " ".join(
+        ["Here is a long answer with quite a few words in it, spoken clause by clause."] * 4
+    )
+    session = AgentSession(
+        llm=FakeLLM(reply, delay=0.005), tts=tts, use_tts_aligned_transcript=True
+    )
+    audio = TimedAudioOutput()
+    text = RecordingTextOutput()
+    sync = TranscriptSynchronizer(next_in_chain_audio=audio, next_in_chain_text=text)
+    session.output.audio = sync.audio_output
+    session.output.transcription = sync.text_output
+    await session.start(agent=Agent(instructions="You are a test."))
+
+    handle = session.generate_reply(user_input="Talk to me.")
+    await wait_until(lambda: audio.first_frame_at is not None)
+
+    def timed_ahead() -> bool:
+        # Interrupt past the first clause, once the words being played have been timed (a
+        # clause's words are known when the engine finishes it; on a busy CPU the tiny model
+        # is barely faster than real time).
+        played = time.monotonic() - audio.first_frame_at
+        known = max((w.start_time for w in audio.timed), default=0.0)
+        return played > 1.2 and known > played + 0.6
+
+    await wait_until(timed_ahead, timeout=10.0)
+    await session.interrupt()
+    await handle
+    assert handle.interrupted
+    await wait_until(lambda: audio.played)
+    interrupted, position = audio.played[-1]
+    assert interrupted
+
+    messages = [m for m in session.history.items if getattr(m, "role", None) == "assistant"]
+    said = messages[-1].text_content.split()
+    assert audio.timed, "no timed words reached the output"
+    timed = [(w.strip(), w.start_time, w.end_time) for w in audio.timed if w.strip()]
+    assert [w for w, _, _ in timed] == reply.split()[: len(timed)]  # the agent's own words
+    started = [w for w, start, _ in timed if start < position]
+    assert 3 < len(started) < len(reply.split())  # the barge-in cut the reply
+    # Never a word that had not begun when the audio stopped: the message is a prefix of the
+    # words begun before the played position...
+    assert said == started[: len(said)], f"{said=} {started=} {position=}"
+    # ...that holds every word finished by then, less what LiveKit's synchronizer has not yet
+    # released: it paces words on the event loop, which the engine's threads slow down here.
+    ended = [w for w, _, end in timed if end <= position - LAG_SECONDS]
+    assert len(said) >= len(ended), f"{said=} {started=} {position=}"
+    await session.aclose()
+    await tts.aclose()

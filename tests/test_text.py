@@ -333,6 +333,7 @@ _pieces = st.one_of(
     st.sampled_from(PUNCTUATION),
     st.sampled_from([" ", "  ", "\n", " \n "]),
     st.from_regex(r"[0-9]{1,3}[.,:][0-9]{1,2} ", fullmatch=True),
+    st.sampled_from(["May ", "No. ", "$ ", "3:45 pm", "30, 2026 ", "555 0123"]),
     st.text(alphabet=ALPHABET + " ", max_size=4),
     st.text(alphabet="abcdefgh", min_size=12, max_size=50),  # a long word
 )
@@ -496,3 +497,32 @@ def test_bounds_are_validated(tok: Tokenizer) -> None:
         ClauseSplitter(tok, min_tokens=60)
     with pytest.raises(ValueError, match="first_min_tokens"):
         ClauseSplitter(tok, first_min_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "spoken",
+    [
+        "3:45 pm",
+        "November 30, 2026",
+        "30 November 2026",
+        "$ 12.50",
+        "555 0123",
+        "221B Baker Street",
+        "No. 5",
+        "5 km",
+    ],
+)
+def test_clauses_are_never_cut_inside_a_number(tok: Tokenizer, spoken: str) -> None:
+    # Thresholds of one token: every comma and sentence end is a cut, and a cap that the text
+    # around the number overflows, so that whitespace is cut too.
+    tail = "and then the quick brown fox jumps over the lazy dog and the doctor walked away."
+    text = f"so we said {spoken}, {tail} "
+    cap = _count(tok, f"{spoken},")
+    assert cap < _count(tok, tail)
+    clauses = split_clauses(tok, text * 2, min_tokens=1, first_min_tokens=1, max_tokens=cap)
+    assert sum(spoken in clause for clause in clauses) == 2, clauses
+    assert len(clauses) > 6
+    # Pushed a character at a time, it waits for the character that decides.
+    splitter = ClauseSplitter(tok, min_tokens=1, first_min_tokens=1, max_tokens=cap)
+    streamed = [c for ch in text * 2 for c in splitter.push(ch)] + splitter.end()
+    assert streamed == clauses

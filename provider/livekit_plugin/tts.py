@@ -14,10 +14,12 @@ no sentence tokenizer in front of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from livekit.agents import (
     APIConnectionError,
@@ -28,8 +30,10 @@ from livekit.agents import (
     tts,
     utils,
 )
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
+from livekit.agents.telemetry import trace_types
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr, TimedString
 from livekit.agents.utils import aio, is_given
+from opentelemetry import trace
 
 from intone.engine import (
     AudioChunk,
@@ -45,6 +49,8 @@ from intone.provider import shared
 
 from .log import logger
 from .models import TTSModels, TTSVoices
+
+_S = TypeVar("_S", "ChunkedStream", "SynthesizeStream")
 
 # Pocket TTS's Mimi codec runs at 24 kHz; the audio is resampled if a model says otherwise.
 SAMPLE_RATE = 24000
@@ -63,6 +69,8 @@ class _TTSOptions:
     noise_clamp: float | None
     seed: int | None
     chain_frames: int | None
+    speed: float | None
+    normalize: bool | None
 
     def generation(self) -> dict[str, Any]:
         """The generation settings given, for the engine or the server."""
@@ -86,6 +94,8 @@ class TTS(tts.TTS):
         noise_clamp: float | None = None,
         seed: int | None = None,
         chain_frames: int | None = None,
+        speed: float | None = None,
+        normalize: bool | None = None,
     ) -> None:
         """Create intone TTS.
 
@@ -104,9 +114,22 @@ class TTS(tts.TTS):
             temperature, eos_threshold, frames_after_eos, max_frames, noise_clamp, seed,
                 chain_frames: generation settings (`intone.engine.GenerationOptions`); None
                 keeps the model's defaults.
+            speed: speaking rate, 0.5 to 2.0 (pitch kept); None is 1.0.
+            normalize: read numbers, prices, dates, times, URLs... as words (the engine's
+                `normalize_text`); None is on. Markdown and emoji are left to LiveKit's own
+                `tts_text_transforms`, which run before the text gets here.
+
+        Word timing: every clause's words reach LiveKit as `TimedString`s
+        (`aligned_transcript=True`), with the engine's estimated times (token-weighted within
+        each clause, see `intone.engine.timeline`), so the transcript follows the audio and an
+        interrupted turn keeps only the words that were heard.
+
+        TTFB: LiveKit measures it from the first text sent to this TTS to the first audio frame
+        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (4
+        tokens, or a flush), the engine's admission queue and its first frame.
         """
         super().__init__(
-            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=False),
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
             sample_rate=sample_rate,
             num_channels=NUM_CHANNELS,
         )
@@ -125,7 +148,14 @@ class TTS(tts.TTS):
             noise_clamp=noise_clamp,
             seed=seed,
             chain_frames=chain_frames,
+            speed=speed,
+            normalize=normalize,
         )
+        # Streams in flight, so that aclose() can close them (with their event loop: an
+        # instance may serve several, one per job in the thread executor).
+        self._streams: weakref.WeakKeyDictionary[
+            tts.ChunkedStream | tts.SynthesizeStream, asyncio.AbstractEventLoop
+        ] = weakref.WeakKeyDictionary()
         # A plain lock, not an asyncio one: an instance may be used from several event loops
         # (thread executor), and acquisition runs on worker threads.
         self._backend_lock = threading.Lock()
@@ -135,6 +165,9 @@ class TTS(tts.TTS):
 
     @property
     def model(self) -> str:
+        if isinstance(self._backend, shared.RemoteBackend):
+            # The server's model, from its hello; until the first connection, what was asked.
+            return self._backend.server_model or str(self._model or "unknown")
         if isinstance(self._model, LoadedModel):
             return self._model.source
         if self._own_engine is not None:
@@ -143,7 +176,7 @@ class TTS(tts.TTS):
 
     @property
     def provider(self) -> str:
-        return self._base_url or "intone"
+        return "intone"
 
     @property
     def engine(self) -> Engine | None:
@@ -162,6 +195,8 @@ class TTS(tts.TTS):
         noise_clamp: NotGivenOr[float | None] = NOT_GIVEN,
         seed: NotGivenOr[int | None] = NOT_GIVEN,
         chain_frames: NotGivenOr[int | None] = NOT_GIVEN,
+        speed: NotGivenOr[float | None] = NOT_GIVEN,
+        normalize: NotGivenOr[bool | None] = NOT_GIVEN,
     ) -> None:
         """Change the options of streams created from now on (streams in flight keep theirs)."""
         given = {
@@ -173,18 +208,25 @@ class TTS(tts.TTS):
             "noise_clamp": noise_clamp,
             "seed": seed,
             "chain_frames": chain_frames,
+            "speed": speed,
+            "normalize": normalize,
         }
         self._opts = replace(self._opts, **{k: v for k, v in given.items() if is_given(v)})
 
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> ChunkedStream:
-        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+        return self._track(ChunkedStream(tts=self, input_text=text, conn_options=conn_options))
 
     def stream(
         self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> SynthesizeStream:
-        return SynthesizeStream(tts=self, conn_options=conn_options)
+        return self._track(SynthesizeStream(tts=self, conn_options=conn_options))
+
+    def _track(self, stream: _S) -> _S:
+        with contextlib.suppress(RuntimeError):  # made outside a loop: nothing runs yet
+            self._streams[stream] = asyncio.get_running_loop()
+        return stream
 
     def prewarm(self) -> None:
         """Load, start and warm the engine (or connect to the server) before the first turn.
@@ -211,10 +253,22 @@ class TTS(tts.TTS):
             logger.warning("intone prewarm failed: %s", e)
 
     async def aclose(self) -> None:
-        """Release this instance's hold on the shared engine; other instances keep using it."""
+        """Close the streams in flight and release this instance's hold on the shared engine;
+        other instances keep using it."""
         self._closed = True
         if self._prewarm_task is not None:
             await aio.cancel_and_wait(self._prewarm_task)
+        current = asyncio.get_running_loop()
+        closing = []
+        for stream, loop in list(self._streams.items()):
+            if loop is current:
+                closing.append(stream.aclose())
+            elif loop.is_running():
+                closing.append(
+                    asyncio.wrap_future(asyncio.run_coroutine_threadsafe(stream.aclose(), loop))
+                )
+        self._streams.clear()
+        await asyncio.gather(*closing, return_exceptions=True)
         with self._backend_lock:
             backend, self._backend = self._backend, None
         if backend is not None:
@@ -278,6 +332,7 @@ class ChunkedStream(tts.ChunkedStream):
             return
         backend = await self._tts._get_backend()
         speech = await _open_speech(backend, self._opts, self._tts.sample_rate)
+        _note_request_id(speech.request_id)
         finished = False
         try:
             progress = _Progress()
@@ -333,7 +388,8 @@ class SynthesizeStream(tts.SynthesizeStream):
         progress = _Progress()
         feed_task: asyncio.Task[None] | None = None
         try:
-            output_emitter.start_segment(segment_id=request_id)
+            # The engine's (or server's) request id names the segment: it goes on the trace.
+            output_emitter.start_segment(segment_id=speech.request_id or request_id)
             self._mark_started()
             await speech.push_text(first)
             feed_task = asyncio.create_task(
@@ -454,12 +510,27 @@ async def _pump(
                     output_emitter.push(shared.to_pcm16(samples))
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
+                # The clause's words, as the agent sent them, with their times in the segment:
+                # they ride on the next audio frame to the transcript synchronizer.
+                output_emitter.push_timed_transcript(
+                    [
+                        TimedString(f"{w.word} ", start_time=w.start, end_time=w.end)
+                        for w in event.words
+                    ]
+                )
     finally:
         if pending is not None:
             pending.cancel()
     tail = resampler.flush()
     if tail.size:
         output_emitter.push(shared.to_pcm16(tail))
+
+
+def _note_request_id(request_id: str) -> None:
+    """Put the engine's request id on the current TTS span, as `start_segment` does."""
+    span = trace.get_current_span()
+    if request_id and span.is_recording():
+        span.set_attribute(trace_types.ATTR_PROVIDER_REQUEST_IDS, [request_id])
 
 
 def _api_error(e: BaseException) -> APIError:

@@ -480,6 +480,16 @@ class StartedEvent:
 
 
 @dataclass
+class WordTime:
+    """One of the client's words and when it is heard, in seconds from the stream's first audio
+    (estimated: see `intone.engine.timeline`)."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass
 class ClauseDoneEvent:
     stream: str
     clause: int  # index from 0
@@ -487,6 +497,8 @@ class ClauseDoneEvent:
     frames: int  # model frames of 80 ms
     audio_seconds: float  # this clause's audio
     elapsed: float  # seconds since `start`
+    start: float = 0.0  # where this clause's audio starts, in seconds from the stream's first
+    words: list[WordTime] = field(default_factory=list)  # the clause's words, as sent, timed
 
     TYPE: ClassVar[str] = "clause_done"
 
@@ -549,6 +561,14 @@ def parse_event(raw: str) -> Event:
             raise ValueError("hello without limits")
         names = {f.name for f in fields(Limits)}
         values["limits"] = Limits(**{k: v for k, v in limits.items() if k in names})
+    if kind is ClauseDoneEvent:
+        words = values.get("words", [])
+        if not isinstance(words, list) or not all(isinstance(w, dict) for w in words):
+            raise ValueError("clause_done words must be a list of objects")
+        try:
+            values["words"] = [WordTime(w["word"], w["start"], w["end"]) for w in words]
+        except KeyError as e:
+            raise ValueError(f"clause_done word without {e}") from None
     try:
         return kind(**values)
     except TypeError as e:

@@ -596,6 +596,10 @@ class Connection:
             frames=event.frames,
             audio_seconds=round(audio_seconds, 4),
             elapsed=round(time.perf_counter() - stream.started_at, 4),
+            start=round(event.start_sample / stream.model_rate, 4),
+            words=[
+                protocol.WordTime(w.word, round(w.start, 4), round(w.end, 4)) for w in event.words
+            ],
         )
 
     def _metrics(self, stream: WsStream) -> dict[str, Any]:

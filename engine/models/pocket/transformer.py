@@ -42,15 +42,6 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_period: float) -> t
     return rotated.to(x.dtype).view_as(x)
 
 
-def expand_kv_heads(x: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor:
-    """Repeat each of x's key/value heads for the query heads that share it (grouped-query).
-
-    Query head h reads key/value head h // (num_heads // num_kv_heads), as in the reference.
-    """
-    groups = num_heads // x.shape[dim]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
-
-
 class MultiheadAttention(nn.Module):
     """Self-attention with rotary positions.
 
