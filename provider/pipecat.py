@@ -33,21 +33,13 @@ from pipecat.utils.tracing.service_decorators import traced_tts
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel
+from intone.engine.options import option_names
 from intone.provider import shared
 from intone.provider.errors import Kind, error_kind, is_busy
 
-# Generation settings a turn's stream takes from the service settings.
-GENERATION_FIELDS = (
-    "temperature",
-    "eos_threshold",
-    "frames_after_eos",
-    "max_frames",
-    "noise_clamp",
-    "seed",
-    "chain_frames",
-    "speed",
-    "normalize",
-)
+# Generation settings a turn's stream takes from the service settings: GenerationOptions'
+# fields, less flow_steps, which is fixed per engine.
+GENERATION_FIELDS = tuple(name for name in option_names() if name != "flow_steps")
 
 # Retries of a turn whose stream the engine or server refused as busy, before its first audio:
 # waits of 0.05, 0.1, 0.2, 0.4 and 0.8 s (1.55 s in all), then a non-permanent error.

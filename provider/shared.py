@@ -19,11 +19,12 @@ yield the engine's `AudioChunk` / `ClauseDone` events alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,12 +36,16 @@ from intone.engine import (
     Engine,
     EngineConfig,
     GenerationOptions,
+    IdleTimeoutError,
+    InvalidOptionError,
     LoadedModel,
     Stream,
+    StreamClosedError,
+    UnknownVoiceError,
 )
-from intone.engine.errors import InvalidOptionError, UnknownVoiceError
+from intone.engine.events import WordTiming
 from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
-from intone.engine.timeline import WordTiming
+from intone.engine.options import option_names
 from intone.provider.server import protocol
 from intone.provider.server.protocol import ErrorCode
 
@@ -365,31 +370,82 @@ class SpeechBackend(Protocol):
 
 
 class EngineSpeech:
-    """The engine's `Stream` as a `SpeechStream`."""
+    """The engine's `Stream` as a `SpeechStream`.
 
-    def __init__(self, stream: Stream, sample_rate: int):
+    A turn may wait on a slow tool call for longer than the engine's idle timeout. If its engine
+    stream times out mid-turn (`IdleTimeoutError`) and `reopen` is given, the turn goes on: its
+    later text opens a fresh engine stream (`reopen()`), whose audio continues the iteration.
+    """
+
+    def __init__(
+        self, stream: Stream, sample_rate: int, reopen: Callable[[], Stream] | None = None
+    ):
         self.stream = stream
         self.sample_rate = sample_rate
+        self._reopen = reopen
+        self._earlier_clauses = 0  # submitted to engine streams that timed out
+        self._timed_out = False
+        self._input_ended = False
+        self._changed = asyncio.Event()  # a fresh stream, the end of input, or a cancel
 
     @property
     def submitted_clauses(self) -> int:
-        return self.stream.metrics.clauses
+        return self._earlier_clauses + self.stream.metrics.clauses
+
+    def _fresh_stream(self) -> None:
+        if self._timed_out and self._reopen is not None:
+            self._earlier_clauses += self.stream.metrics.clauses
+            self.stream = self._reopen()
+            self._timed_out = False
+            self._changed.set()
 
     @property
     def request_id(self) -> str:
         return self.stream.id
 
     async def push_text(self, text: str) -> None:
-        self.stream.push_text(text)
+        self._fresh_stream()
+        try:
+            self.stream.push_text(text)
+        except StreamClosedError:
+            # Closed under us: the idle timeout, not yet seen by the iteration. (Any other end
+            # of the stream reaches the iteration as its error.)
+            if self._reopen is None or self._input_ended:
+                raise
+            self._timed_out = True
+            self._fresh_stream()
+            self.stream.push_text(text)
 
     async def end_input(self) -> None:
-        self.stream.end_input()
+        self._input_ended = True
+        self._changed.set()
+        if not self._timed_out:
+            with contextlib.suppress(StreamClosedError):  # timed out: nothing more to say
+                self.stream.end_input()
 
     def cancel(self) -> None:
+        self._input_ended = True
+        self._changed.set()
         self.stream.cancel()
 
-    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
-        return self.stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
+        while True:
+            current = self.stream
+            try:
+                async for event in current:
+                    yield event
+                return
+            except IdleTimeoutError:
+                if self._reopen is None or (self._input_ended and current is self.stream):
+                    raise
+                logger.info("the engine stream timed out mid-turn; later text opens a new one")
+            if current is self.stream:  # no text since: wait for some, or for the turn's end
+                self._timed_out = True
+                while self._timed_out and not self._input_ended:
+                    self._changed.clear()
+                    await self._changed.wait()
+                if self._timed_out:
+                    return
 
 
 class EngineBackend:
@@ -412,8 +468,11 @@ class EngineBackend:
         engine = self._lease.engine
         if voice is not None and voice not in engine.voices:
             await asyncio.to_thread(ensure_voice, engine, voice)
+        options = engine_options(engine, settings)
         return EngineSpeech(
-            engine.stream(voice, engine_options(engine, settings)), engine.sample_rate
+            engine.stream(voice, options),
+            engine.sample_rate,
+            reopen=lambda: engine.stream(voice, options),
         )
 
     async def aclose(self) -> None:
@@ -424,8 +483,7 @@ class EngineBackend:
 
 def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from the settings given, with this engine's defaults for the rest."""
-    known = {f.name for f in fields(GenerationOptions)}
-    unknown = set(settings) - known
+    unknown = set(settings) - set(option_names())
     if unknown:
         raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {

@@ -39,12 +39,14 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,
+    EngineClosedError,
     EngineConfig,
     EngineError,
     EngineFullError,
     LoadedModel,
     ModelUnavailableError,
 )
+from intone.engine.options import option_names
 from intone.provider import shared
 
 from .log import logger
@@ -74,7 +76,8 @@ class _TTSOptions:
 
     def generation(self) -> dict[str, Any]:
         """The generation settings given, for the engine or the server."""
-        return {k: v for k, v in asdict(self).items() if k != "voice" and v is not None}
+        names = option_names()
+        return {k: v for k, v in asdict(self).items() if k in names and v is not None}
 
 
 class TTS(tts.TTS):
@@ -548,6 +551,8 @@ def _api_error(e: BaseException) -> APIError:
         return APIStatusError(str(e), status_code=503, retryable=True)
     if isinstance(e, ModelUnavailableError):
         return APIConnectionError(f"intone model unavailable: {e}", retryable=False)
+    if isinstance(e, EngineClosedError):
+        return APIConnectionError(f"intone engine closed: {e}", retryable=False)
     if isinstance(e, ValueError):
         # Bad voice, options or text: the same request would fail again.
         return APIStatusError(str(e), status_code=400, retryable=False)

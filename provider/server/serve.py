@@ -167,6 +167,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_queued=args.max_queued,
             kv_memory_mb=args.kv_memory_mb,
             max_text_chars=args.max_text_chars,
+            idle_timeout_s=args.stream_idle_timeout or None,
         ),
         settings=ServerSettings(
             api_keys=tuple(keys),

@@ -320,6 +320,8 @@ class Connection:
                 self._end(stream, "end")
             elif isinstance(message, protocol.Playback):
                 stream.played_seconds = max(stream.played_seconds or 0.0, message.seconds)
+                # The engine paces the stream's generation by the same position.
+                stream.engine_stream.report_playback(stream.played_seconds)
                 stream.room.set()
 
     def _active(self, message: protocol.Message) -> WsStream:
