@@ -134,6 +134,22 @@ def test_rayservice_manifest():
     assert bound is not None
 
 
+async def test_an_unhealthy_engine_fails_the_replica_health_check(tiny_checkpoint: Path):
+    """What `check_health` raises on: the engine's own health (here: closed under the server)."""
+    from intone.provider.server.app import create_app
+    from intone.provider.server.ray_serve import unhealthy_reason
+
+    app = create_app(model=str(tiny_checkpoint), fallback_preset=None)
+    runtime = app.state.intone
+    try:
+        assert await unhealthy_reason(runtime) is None
+        runtime.engine.close()
+        reason = await unhealthy_reason(runtime)
+        assert reason and not runtime.engine.health().ok
+    finally:
+        await runtime.close()
+
+
 # ---- a local Ray cluster with two replicas
 
 

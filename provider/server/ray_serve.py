@@ -324,11 +324,9 @@ async def unhealthy_reason(runtime: Any) -> str | None:
     except EngineUnavailableError as e:
         return f"the engine could not be started: {e}"
     for engine in runtime.engines:
-        # TODO(faults): Engine.health() arrives with the fault issue; call it directly then.
-        health = getattr(engine, "health", None)
-        status = health() if health is not None else None
-        if status is not None and not status.ok:
-            return status.reason or "the engine is unhealthy"
+        health = engine.health()  # a failed stage, a dead thread, closed
+        if not health.ok:
+            return health.reason or "the engine is unhealthy"
     return None
 
 
