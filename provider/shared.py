@@ -677,8 +677,9 @@ class RemoteBackend:
         from intone.provider.client import IntoneConnectionError, IntoneError
 
         for attempt in range(2):
-            client = await self._client()
+            client = None
             try:
+                client = await self._client()  # a draining server refuses at the handshake
                 stream = await client.stream(
                     voice=voice,
                     sample_rate=sample_rate,
@@ -691,7 +692,8 @@ class RemoteBackend:
                 # draining: one fresh connection, which a load balancer sends elsewhere.
                 if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
                     raise
-                self._forget(client)
+                if client is not None:
+                    self._forget(client)
                 if attempt:
                     raise
                 continue
