@@ -119,6 +119,7 @@ def test_out_of_vocabulary_and_short_texts_equal_reference(
 
 
 @pytest.mark.full
+@pytest.mark.releases  # about 14 min on 2 cores: opt-in (-m full), not in the default run
 @pytest.mark.parametrize("release", FULL_RELEASES)
 def test_full_release_equals_reference(
     release: str, tmp_path_factory: pytest.TempPathFactory
