@@ -1,10 +1,12 @@
 """Per-request Mimi decoder histories, kept as rows of one preallocated state.
 
-Each active request owns a row (a slot). A decode batch gathers its requests' rows into a
-contiguous batch state, runs, and scatters the advanced rows back, so requests that share a batch
-never see each other's history. Entries the decoder names in `in_place_state` are not copied:
-the batch state holds the whole pool tensor and `ROWS` the batch's slots, and the decoder reads
-and writes those rows in place. A slot is reset to a fresh history when it is handed out.
+Each active request owns a row (a slot); a request that gives its row up between clauses (it has
+no text yet, or it is far ahead of playback) keeps a saved copy of its history instead. A decode
+batch gathers its requests' rows into a contiguous batch state, runs, and scatters the advanced
+rows back, so requests that share a batch never see each other's history. Entries the decoder
+names in `in_place_state` are not copied: the batch state holds the whole pool tensor and `ROWS`
+the batch's slots, and the decoder reads and writes those rows in place. A slot is reset to a
+fresh history when it is handed out.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ class DecoderStatePool:
 
     def release(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    def save(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of a row's history, for a request that gives its row up between clauses."""
+        return {name: tensor[slot].clone() for name, tensor in self.rows.items()}
+
+    def restore(self, slot: int, saved: dict[str, torch.Tensor]) -> None:
+        for name, tensor in self.rows.items():
+            tensor[slot] = saved[name]
 
     def gather(self, slots: torch.Tensor) -> State:
         state = {

@@ -19,11 +19,12 @@ yield the engine's `AudioChunk` / `ClauseDone` events alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,14 +34,20 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,
+    EngineClosedError,
     EngineConfig,
     GenerationOptions,
+    IdleTimeoutError,
+    InvalidOptionError,
     LoadedModel,
     Stream,
+    StreamClosedError,
+    UnknownVoiceError,
+    releases,
 )
-from intone.engine.errors import InvalidOptionError, UnknownVoiceError
-from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
-from intone.engine.timeline import WordTiming
+from intone.engine.events import WordTiming
+from intone.engine.loading import DEFAULT_MODEL
+from intone.engine.options import option_names
 from intone.provider.server import protocol
 from intone.provider.server.protocol import ErrorCode
 
@@ -58,8 +65,11 @@ def model_key(model: ModelSpec) -> str:
     if isinstance(model, LoadedModel):
         model = model.source
     name = DEFAULT_MODEL if model is None else str(model)
-    if name in RELEASED_ALIASES or name.startswith("hf://"):
-        return DEFAULT_MODEL if name in RELEASED_ALIASES else name
+    release = releases.release_name(name)
+    if release is not None:  # a release by any of its names ("fr", "french_24l")
+        return DEFAULT_MODEL if release == releases.DEFAULT_RELEASE else release
+    if name.startswith("hf://"):
+        return name
     path = Path(name).expanduser().resolve()
     # A checkpoint directory and its config.yaml are the same model.
     return str(path / "config.yaml") if path.is_dir() else str(path)
@@ -355,41 +365,98 @@ class SpeechBackend(Protocol):
     @property
     def shared_engine(self) -> Engine | None: ...
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> SpeechStream:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
-        which a remote server resamples to; the in-process engine yields its own rate."""
+        which a remote server resamples to; the in-process engine yields its own rate.
+        `model`: which of a remote server's models speaks (None: its default); an in-process
+        backend is one engine, one model (see `Backends`)."""
         ...
 
     async def aclose(self) -> None: ...
 
 
 class EngineSpeech:
-    """The engine's `Stream` as a `SpeechStream`."""
+    """The engine's `Stream` as a `SpeechStream`.
 
-    def __init__(self, stream: Stream, sample_rate: int):
+    A turn may wait on a slow tool call for longer than the engine's idle timeout. If its engine
+    stream times out mid-turn (`IdleTimeoutError`) and `reopen` is given, the turn goes on: its
+    later text opens a fresh engine stream (`reopen()`), whose audio continues the iteration.
+    """
+
+    def __init__(
+        self, stream: Stream, sample_rate: int, reopen: Callable[[], Stream] | None = None
+    ):
         self.stream = stream
         self.sample_rate = sample_rate
+        self._reopen = reopen
+        self._earlier_clauses = 0  # submitted to engine streams that timed out
+        self._timed_out = False
+        self._input_ended = False
+        self._changed = asyncio.Event()  # a fresh stream, the end of input, or a cancel
 
     @property
     def submitted_clauses(self) -> int:
-        return self.stream.metrics.clauses
+        return self._earlier_clauses + self.stream.metrics.clauses
+
+    def _fresh_stream(self) -> None:
+        if self._timed_out and self._reopen is not None:
+            self._earlier_clauses += self.stream.metrics.clauses
+            self.stream = self._reopen()
+            self._timed_out = False
+            self._changed.set()
 
     @property
     def request_id(self) -> str:
         return self.stream.id
 
     async def push_text(self, text: str) -> None:
-        self.stream.push_text(text)
+        self._fresh_stream()
+        try:
+            self.stream.push_text(text)
+        except StreamClosedError:
+            # Closed under us: the idle timeout, not yet seen by the iteration. (Any other end
+            # of the stream reaches the iteration as its error.)
+            if self._reopen is None or self._input_ended:
+                raise
+            self._timed_out = True
+            self._fresh_stream()
+            self.stream.push_text(text)
 
     async def end_input(self) -> None:
-        self.stream.end_input()
+        self._input_ended = True
+        self._changed.set()
+        if not self._timed_out:
+            with contextlib.suppress(StreamClosedError):  # timed out: nothing more to say
+                self.stream.end_input()
 
     def cancel(self) -> None:
+        self._input_ended = True
+        self._changed.set()
         self.stream.cancel()
 
-    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
-        return self.stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
+        while True:
+            current = self.stream
+            try:
+                async for event in current:
+                    yield event
+                return
+            except IdleTimeoutError:
+                if self._reopen is None or (self._input_ended and current is self.stream):
+                    raise
+                logger.info("the engine stream timed out mid-turn; later text opens a new one")
+            if current is self.stream:  # no text since: wait for some, or for the turn's end
+                self._timed_out = True
+                while self._timed_out and not self._input_ended:
+                    self._changed.clear()
+                    await self._changed.wait()
+                if self._timed_out:
+                    return
 
 
 class EngineBackend:
@@ -407,13 +474,20 @@ class EngineBackend:
         return self._lease.engine
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> EngineSpeech:
         engine = self._lease.engine
         if voice is not None and voice not in engine.voices:
             await asyncio.to_thread(ensure_voice, engine, voice)
+        options = engine_options(engine, settings)
         return EngineSpeech(
-            engine.stream(voice, engine_options(engine, settings)), engine.sample_rate
+            engine.stream(voice, options),
+            engine.sample_rate,
+            reopen=lambda: engine.stream(voice, options),
         )
 
     async def aclose(self) -> None:
@@ -424,8 +498,7 @@ class EngineBackend:
 
 def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from the settings given, with this engine's defaults for the rest."""
-    known = {f.name for f in fields(GenerationOptions)}
-    unknown = set(settings) - known
+    unknown = set(settings) - set(option_names())
     if unknown:
         raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {
@@ -595,22 +668,32 @@ class RemoteBackend:
         await self._client()
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> RemoteSpeech:
         from intone.provider.client import IntoneConnectionError, IntoneError
 
         for attempt in range(2):
-            client = await self._client()
+            client = None
             try:
+                client = await self._client()  # a draining server refuses at the handshake
                 stream = await client.stream(
-                    voice=voice, sample_rate=sample_rate, format="pcm_f32le", options=settings
+                    voice=voice,
+                    sample_rate=sample_rate,
+                    format="pcm_f32le",
+                    options=settings,
+                    model=model,
                 )
             except IntoneError as e:
                 # The server restarted, the connection idled out, or this server (replica) is
                 # draining: one fresh connection, which a load balancer sends elsewhere.
                 if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
                     raise
-                self._forget(client)
+                if client is not None:
+                    self._forget(client)
                 if attempt:
                     raise
                 continue
@@ -632,3 +715,129 @@ class RemoteBackend:
                 await client.close()
             elif loop.is_running():
                 asyncio.run_coroutine_threadsafe(client.close(), loop)
+
+
+def pick_model(model: ModelSpec, language: str | None) -> ModelSpec:
+    """The model a TTS speaks with: `model` if given, else `language`'s (a code such as "fr"
+    or "fr-FR"; `releases.LANGUAGE_MODELS`), else the default. An unknown language raises
+    UnknownModelError naming the known ones: never a silent fallback to English."""
+    if model is not None:
+        return model
+    if language is not None:
+        return releases.model_for_language(language)
+    return None
+
+
+class Backends:
+    """A TTS instance's speech backends, one per model it speaks with.
+
+    Remote (`base_url`): one `RemoteBackend`, the model named in each stream. In-process: a lease
+    on each model's shared engine, taken on first use of that model, so a language change moves
+    later turns to that language's engine. An engine of the caller's (`engine`): that engine only.
+    Thread-safe: LiveKit's thread executor uses one instance from several event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        engine: Engine | None = None,
+        config: EngineConfig | None = None,
+    ):
+        if base_url is not None and engine is not None:
+            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
+        self.base_url = base_url
+        self._own_engine = engine
+        self._config = config
+        self._lock = threading.Lock()
+        self._backends: dict[str, SpeechBackend] = {}
+        self._closed = False
+        # Created now: a bad URL fails at construction, not at the first turn.
+        self.remote = RemoteBackend(base_url) if base_url is not None else None
+
+    def _key(self, model: ModelSpec) -> str:
+        if self.remote is not None:
+            return "remote"
+        if self._own_engine is not None:
+            return "own"
+        return model_key(model)
+
+    def adopt_loaded(self, model: ModelSpec) -> None:
+        """Take the backend of `model` now if that needs no load: the caller's engine, or a
+        shared engine already running (`acquire_loaded`). Remote: nothing to take."""
+        if self.remote is not None:
+            return
+        if self._own_engine is not None:
+            self.get_sync(model)  # borrowed: nothing to load
+            return
+        lease = acquire_loaded(model)
+        if lease is None:
+            return
+        with self._lock:
+            if self._key(model) not in self._backends and not self._closed:
+                self._backends[self._key(model)] = EngineBackend(lease)
+                return
+        lease.release()
+
+    def current(self, model: ModelSpec) -> SpeechBackend | None:
+        """The backend of `model` if one was made, else None."""
+        if self.remote is not None:
+            return self.remote
+        with self._lock:
+            return self._backends.get(self._key(model))
+
+    def get_sync(self, model: ModelSpec) -> SpeechBackend:
+        """The backend of `model`, loading its engine if needed (blocks)."""
+        if self.remote is not None:
+            return self.remote
+        key = self._key(model)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this TTS is closed")
+            backend = self._backends.get(key)
+        if backend is not None:
+            return backend
+        if self._own_engine is not None:
+            made: SpeechBackend = EngineBackend(borrow(self._own_engine))
+        else:
+            made = EngineBackend(acquire(model, config=self._config))
+        with self._lock:
+            current = self._backends.get(key)
+            if current is None and not self._closed:
+                self._backends[key] = made
+                return made
+        # A concurrent call won the race, or the TTS closed meanwhile: give ours back.
+        threading.Thread(target=lambda: asyncio.run(made.aclose()), daemon=True).start()
+        if current is None:
+            raise EngineClosedError("this TTS is closed")
+        return current
+
+    async def get(self, model: ModelSpec) -> SpeechBackend:
+        """`get_sync` off the event loop when an engine has to be loaded."""
+        backend = self.current(model)
+        if backend is not None:
+            return backend
+        return await asyncio.to_thread(self.get_sync, model)
+
+    async def open_stream(
+        self,
+        model: ModelSpec,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+    ) -> SpeechStream:
+        backend = await self.get(model)
+        if self.remote is not None:
+            name = None if model is None else str(getattr(model, "source", model))
+            return await backend.open_stream(voice, settings, sample_rate, model=name)
+        return await backend.open_stream(voice, settings, sample_rate)
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._closed = True
+            backends = list(self._backends.values())
+            self._backends.clear()
+        if self.remote is not None:
+            backends.append(self.remote)
+        for backend in backends:
+            await backend.aclose()
