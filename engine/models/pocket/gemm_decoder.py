@@ -168,6 +168,9 @@ class RingKV:
     With `state[ROWS]`, the ring entries of `state` are a whole pool of rows and ROWS says which
     rows this batch is: the new keys go straight into the pool and attention gathers the rows'
     rings once, instead of the caller gathering them before and scattering them back after.
+    A call that fails after writing leaves keys at positions its row has not reached (its offset
+    did not advance): a query never sees a later position, and the row's next call overwrites
+    each such slot before it attends to it, so a failed call leaves no trace.
     """
 
     def __init__(self, state: State, prefix: str, context: int, positions: torch.Tensor):
