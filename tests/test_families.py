@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_oracle import NO_EOS, Reference, ours, relative_error
 
-from intone.engine import Engine, EngineConfig
+from intone.engine import AudioChunk, Engine, EngineConfig
 from intone.engine.checkpoint import TINY_FAMILIES, make_checkpoint
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
@@ -146,9 +146,8 @@ async def engine_audio(engine: Engine, text: str, opts: GenerationOptions) -> np
     chunks = []
     async with asyncio.timeout(60):
         async for event in stream:
-            samples = getattr(event, "samples", None)
-            if samples is not None:
-                chunks.append(samples)
+            if isinstance(event, AudioChunk):  # ClauseDone has a `samples` count too
+                chunks.append(event.samples)
     return np.concatenate(chunks)
 
 
