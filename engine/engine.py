@@ -549,7 +549,13 @@ class Engine:
                         return
                     t = now()
                     self._retire_requests(t)
-                    held = sum(self._held(r, t) for r in self.scheduler.running)
+                    # Held streams, with a row or parked for pacing: while there are any, the
+                    # thread polls (playback moves on without telling it).
+                    held = sum(
+                        self._held(r, t)
+                        for r in [*self.scheduler.running, *self.scheduler.waiting]
+                        if r.frames_generated
+                    )
                     self._metrics_paced(held, t - last)
                     last = t
                     batch = self.scheduler.schedule(

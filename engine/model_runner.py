@@ -192,7 +192,8 @@ class ModelRunner:
     @torch.no_grad()
     def decode_step(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim] of the
-        decoder rows `index`; each row's history advances only when the whole call succeeds."""
+        decoder rows `index` (in ascending slot order, so a run of slots is read in place); each
+        row's history advances only when the whole call succeeds."""
         with self._busy():
             state = self.decoder_states.gather(index)
             audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
@@ -200,4 +201,10 @@ class ModelRunner:
         return audio[:, 0]
 
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
-        return self.decode_step(torch.tensor(slots).to(self.device), latents)
+        """`decode_step` for rows in any order: the audio comes back in the caller's order."""
+        # Rows in slot order: a batch holding a run of slots reads their decoder state in place.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        index = torch.tensor([slots[i] for i in order]).to(self.device)
+        order_t = torch.tensor(order).to(self.device)
+        audio = self.decode_step(index, latents[order_t])
+        return audio.index_select(0, torch.argsort(order_t))

@@ -34,6 +34,7 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,
+    EngineClosedError,
     EngineConfig,
     GenerationOptions,
     IdleTimeoutError,
@@ -42,9 +43,10 @@ from intone.engine import (
     Stream,
     StreamClosedError,
     UnknownVoiceError,
+    releases,
 )
 from intone.engine.events import WordTiming
-from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.engine.loading import DEFAULT_MODEL
 from intone.engine.options import option_names
 from intone.provider.server import protocol
 from intone.provider.server.protocol import ErrorCode
@@ -63,8 +65,11 @@ def model_key(model: ModelSpec) -> str:
     if isinstance(model, LoadedModel):
         model = model.source
     name = DEFAULT_MODEL if model is None else str(model)
-    if name in RELEASED_ALIASES or name.startswith("hf://"):
-        return DEFAULT_MODEL if name in RELEASED_ALIASES else name
+    release = releases.release_name(name)
+    if release is not None:  # a release by any of its names ("fr", "french_24l")
+        return DEFAULT_MODEL if release == releases.DEFAULT_RELEASE else release
+    if name.startswith("hf://"):
+        return name
     path = Path(name).expanduser().resolve()
     # A checkpoint directory and its config.yaml are the same model.
     return str(path / "config.yaml") if path.is_dir() else str(path)
@@ -360,10 +365,16 @@ class SpeechBackend(Protocol):
     @property
     def shared_engine(self) -> Engine | None: ...
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> SpeechStream:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
-        which a remote server resamples to; the in-process engine yields its own rate."""
+        which a remote server resamples to; the in-process engine yields its own rate.
+        `model`: which of a remote server's models speaks (None: its default); an in-process
+        backend is one engine, one model (see `Backends`)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -463,7 +474,11 @@ class EngineBackend:
         return self._lease.engine
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> EngineSpeech:
         engine = self._lease.engine
         if voice is not None and voice not in engine.voices:
@@ -653,22 +668,32 @@ class RemoteBackend:
         await self._client()
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> RemoteSpeech:
         from intone.provider.client import IntoneConnectionError, IntoneError
 
         for attempt in range(2):
-            client = await self._client()
+            client = None
             try:
+                client = await self._client()  # a draining server refuses at the handshake
                 stream = await client.stream(
-                    voice=voice, sample_rate=sample_rate, format="pcm_f32le", options=settings
+                    voice=voice,
+                    sample_rate=sample_rate,
+                    format="pcm_f32le",
+                    options=settings,
+                    model=model,
                 )
             except IntoneError as e:
                 # The server restarted, the connection idled out, or this server (replica) is
                 # draining: one fresh connection, which a load balancer sends elsewhere.
                 if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
                     raise
-                self._forget(client)
+                if client is not None:
+                    self._forget(client)
                 if attempt:
                     raise
                 continue
@@ -690,3 +715,129 @@ class RemoteBackend:
                 await client.close()
             elif loop.is_running():
                 asyncio.run_coroutine_threadsafe(client.close(), loop)
+
+
+def pick_model(model: ModelSpec, language: str | None) -> ModelSpec:
+    """The model a TTS speaks with: `model` if given, else `language`'s (a code such as "fr"
+    or "fr-FR"; `releases.LANGUAGE_MODELS`), else the default. An unknown language raises
+    UnknownModelError naming the known ones: never a silent fallback to English."""
+    if model is not None:
+        return model
+    if language is not None:
+        return releases.model_for_language(language)
+    return None
+
+
+class Backends:
+    """A TTS instance's speech backends, one per model it speaks with.
+
+    Remote (`base_url`): one `RemoteBackend`, the model named in each stream. In-process: a lease
+    on each model's shared engine, taken on first use of that model, so a language change moves
+    later turns to that language's engine. An engine of the caller's (`engine`): that engine only.
+    Thread-safe: LiveKit's thread executor uses one instance from several event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        engine: Engine | None = None,
+        config: EngineConfig | None = None,
+    ):
+        if base_url is not None and engine is not None:
+            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
+        self.base_url = base_url
+        self._own_engine = engine
+        self._config = config
+        self._lock = threading.Lock()
+        self._backends: dict[str, SpeechBackend] = {}
+        self._closed = False
+        # Created now: a bad URL fails at construction, not at the first turn.
+        self.remote = RemoteBackend(base_url) if base_url is not None else None
+
+    def _key(self, model: ModelSpec) -> str:
+        if self.remote is not None:
+            return "remote"
+        if self._own_engine is not None:
+            return "own"
+        return model_key(model)
+
+    def adopt_loaded(self, model: ModelSpec) -> None:
+        """Take the backend of `model` now if that needs no load: the caller's engine, or a
+        shared engine already running (`acquire_loaded`). Remote: nothing to take."""
+        if self.remote is not None:
+            return
+        if self._own_engine is not None:
+            self.get_sync(model)  # borrowed: nothing to load
+            return
+        lease = acquire_loaded(model)
+        if lease is None:
+            return
+        with self._lock:
+            if self._key(model) not in self._backends and not self._closed:
+                self._backends[self._key(model)] = EngineBackend(lease)
+                return
+        lease.release()
+
+    def current(self, model: ModelSpec) -> SpeechBackend | None:
+        """The backend of `model` if one was made, else None."""
+        if self.remote is not None:
+            return self.remote
+        with self._lock:
+            return self._backends.get(self._key(model))
+
+    def get_sync(self, model: ModelSpec) -> SpeechBackend:
+        """The backend of `model`, loading its engine if needed (blocks)."""
+        if self.remote is not None:
+            return self.remote
+        key = self._key(model)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this TTS is closed")
+            backend = self._backends.get(key)
+        if backend is not None:
+            return backend
+        if self._own_engine is not None:
+            made: SpeechBackend = EngineBackend(borrow(self._own_engine))
+        else:
+            made = EngineBackend(acquire(model, config=self._config))
+        with self._lock:
+            current = self._backends.get(key)
+            if current is None and not self._closed:
+                self._backends[key] = made
+                return made
+        # A concurrent call won the race, or the TTS closed meanwhile: give ours back.
+        threading.Thread(target=lambda: asyncio.run(made.aclose()), daemon=True).start()
+        if current is None:
+            raise EngineClosedError("this TTS is closed")
+        return current
+
+    async def get(self, model: ModelSpec) -> SpeechBackend:
+        """`get_sync` off the event loop when an engine has to be loaded."""
+        backend = self.current(model)
+        if backend is not None:
+            return backend
+        return await asyncio.to_thread(self.get_sync, model)
+
+    async def open_stream(
+        self,
+        model: ModelSpec,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+    ) -> SpeechStream:
+        backend = await self.get(model)
+        if self.remote is not None:
+            name = None if model is None else str(getattr(model, "source", model))
+            return await backend.open_stream(voice, settings, sample_rate, model=name)
+        return await backend.open_stream(voice, settings, sample_rate)
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._closed = True
+            backends = list(self._backends.values())
+            self._backends.clear()
+        if self.remote is not None:
+            backends.append(self.remote)
+        for backend in backends:
+            await backend.aclose()

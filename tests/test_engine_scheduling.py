@@ -359,3 +359,29 @@ async def test_an_in_process_turn_outlives_the_idle_timeout(make_engine) -> None
     assert sum(isinstance(e, ClauseDone) for e in events) == 2, events
     assert speech.submitted_clauses == 2
     await wait_idle(engine, floor)
+
+
+async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
+    make_engine, reference: Reference
+) -> None:
+    """One row: a stream far ahead of playback parks at its clause end so a waiting request can
+    start; it resumes once playback catches up, and neither's audio changes."""
+    engine = make_engine(max_active=1, lead_s=0.3)
+    floor = voice_pages(engine)
+    ahead_opts, other_opts = options(50, 0.3, max_frames=10), options(51, 0.3, max_frames=4)
+    ahead = engine.stream(None, ahead_opts)
+    ahead.push_text(TEXTS[2])  # three clauses of 0.8 s
+    ahead.end_input()
+    first = await asyncio.wait_for(ahead.__anext__(), TIMEOUT)
+    other = engine.stream(None, other_opts)
+    other.push_text(TEXTS[0])
+    other.end_input()
+    other_events = await asyncio.wait_for(drain(other), TIMEOUT)
+    # The other request finished while the first still had clauses to say.
+    assert (
+        ahead.request.pending or ahead.request.clause is not None or not ahead.request.input_ended
+    )
+    outcome = Outcome([first, *await asyncio.wait_for(drain(ahead), TIMEOUT)])
+    check_outcome(outcome, reference, TEXTS[2], "default", ahead_opts, "paced and parked")
+    check_outcome(Outcome(other_events), reference, TEXTS[0], "default", other_opts, "the other")
+    await wait_idle(engine, floor)

@@ -52,7 +52,10 @@ class Reference:
 def ours(
     loaded: LoadedModel, voice: Voice, text: str, eos_threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    options = GenerationOptions(temperature=0.0, eos_threshold=eos_threshold, chain_frames=0)
+    # The reference has no spoken-form normalisation.
+    options = GenerationOptions(
+        temperature=0.0, eos_threshold=eos_threshold, chain_frames=0, normalize=False
+    )
     latents = torch.stack(
         [latent for _, latent in generate_latents(loaded, voice, [text], options)]
     )

@@ -382,7 +382,8 @@ def test_attention_equals_previous_path(
     blocks = BlockManager(160, page_size)
     random.Random(7).shuffle(blocks.free_pages)
     runner = ModelRunner(model, blocks, 2, 1, torch.device("cpu"))
-    voice_table = runner.add_voice(voice)
+    voice_table = blocks.allocate(voice.length)
+    runner.write_voice(voice_table, voice)
     lengths = [3, 17, 8, 1] if checkpoint == "tiny" else [5, 12]
     decode_steps = 5
     tables = []
