@@ -232,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
     serve.add_argument(
+        "--max-rows-per-tenant", type=int, default=0, metavar="N",
+        help="generating rows one caller (API key, or client address) may hold while others "
+        "wait: fair share of --max-active (0: no cap)",
+    )  # fmt: skip
+    serve.add_argument(
         "--stream-idle-timeout",
         type=float,
         default=30.0,

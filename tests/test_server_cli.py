@@ -45,11 +45,12 @@ def test_serve_access_and_limit_options(monkeypatch):
             "--max-streams-per-client", "3", "--max-chars-per-minute", "900",
             "--max-request-bytes", "1000", "--header-timeout", "2", "--body-timeout", "3",
             "--ws-idle-timeout", "4", "--max-stream-seconds", "5", "--max-buffered-audio", "6",
-            "--slow-client-timeout", "8", "--max-text-chars", "500",
+            "--slow-client-timeout", "8", "--max-text-chars", "500", "--max-rows-per-tenant", "2",
         ]
     )  # fmt: skip
     options = options_from_args(args)
     assert options.engine_config.max_text_chars == 500
+    assert options.engine_config.max_rows_per_tenant == 2
     settings = options.settings
     settings.validate()
     assert settings.api_keys == ("flag-1", "env-1", "env-2")

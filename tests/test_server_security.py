@@ -13,7 +13,9 @@ import openai
 import pytest
 from test_server_support import (
     LONG_TEXT,
+    ServerThread,
     idle_pages,
+    make_engine,
     recv_event,
     recv_until,
     running_server,
@@ -24,7 +26,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from intone.provider.client import IntoneClient, IntoneError
-from intone.provider.server import ServerSettings
+from intone.provider.server import ServerSettings, create_app
 from intone.provider.server.access import Access, websocket_key
 from intone.provider.server.limits import LimitError, Limits
 from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
@@ -341,3 +343,37 @@ def test_limits_bucket_streams_and_pruning(monkeypatch):
     now[0] += 60  # buckets full again, nothing open: forgotten
     limits.prune()
     assert limits.tenants() == 0
+
+
+async def test_fair_share_per_api_key(tiny_checkpoint):
+    """One key's long streams hold at most --max-rows-per-tenant rows: another key's stream
+    starts and finishes while they all still generate."""
+    engine = make_engine(tiny_checkpoint, max_active=2, max_rows_per_tenant=1)
+    app = create_app(engine, settings=ServerSettings(api_keys=KEYS))
+    server = ServerThread(app).start()
+    try:
+        pages = idle_pages(engine)
+        hog_options = {"eos_threshold": 1e9, "max_frames": 200}  # ~16 s of audio per clause
+        hog_text = " ".join(f"Clause number {i} is long." for i in range(6))
+        async with (
+            IntoneClient(server.url, api_key=KEYS[0]) as hog,
+            IntoneClient(server.url, api_key=KEYS[1]) as other,
+        ):
+            hogs = [
+                await hog.stream(text=hog_text, end=True, options=hog_options) for _ in range(3)
+            ]
+            # Three streams want rows, two are free, but one key may hold one.
+            active = []
+            for _ in range(20):
+                active.append(engine.metrics()["active_requests"])
+                await asyncio.sleep(0.05)
+            assert max(active) == 1, active
+            pcm = await asyncio.wait_for(other.synthesize("Hi.", options={"max_frames": 4}), 30)
+            assert pcm
+            assert not any(stream.done for stream in hogs)  # all three still generating
+            for stream in hogs:
+                await stream.cancel()
+        await wait_engine_idle(engine, pages)
+    finally:
+        server.stop()
+        engine.close()

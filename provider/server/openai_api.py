@@ -253,7 +253,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         "cache-control": "no-cache",
     }
     try:
-        engine_stream = engine.stream(voice)
+        engine_stream = engine.stream(voice, tenant=tenant)
         try:
             engine_stream.push_text(request_.text)
             engine_stream.end_input()

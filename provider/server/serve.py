@@ -219,6 +219,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             kv_memory_mb=args.kv_memory_mb,
             max_text_chars=args.max_text_chars,
             idle_timeout_s=args.stream_idle_timeout or None,
+            max_rows_per_tenant=args.max_rows_per_tenant or None,
         ),
         settings=ServerSettings(
             api_keys=tuple(keys),

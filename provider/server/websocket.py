@@ -403,7 +403,8 @@ class Connection:
                 voice = await served.voices.resolve(message.voice)
                 if self._closed.is_set():
                     raise refuse(ErrorCode.STREAM_CLOSED, "the connection closed")
-                engine_stream = engine.stream(voice, options)
+                # The caller is the engine's tenant: its fair share of rows is per caller.
+                engine_stream = engine.stream(voice, options, tenant=self.tenant)
             except (EngineError, ValueError) as e:
                 raise refuse(protocol.engine_error_code(e), str(e)) from None
         except BaseException:
