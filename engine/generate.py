@@ -63,7 +63,7 @@ class ClauseGenerator:
         )
         parts = [self.flow_lm.embed_text(torch.tensor(plan.tokens, device=model.device))]
         if tail is not None and tail.shape[0]:
-            parts.insert(0, model.latents_as_voice(tail))
+            parts.insert(0, model.flow_lm.embed_tail(tail, model.tail_projection))
         prompt = torch.cat(parts)
         capacity = voice.length + prompt.shape[0] + plan.max_frames
         self.pool = self.flow_lm.new_kv_pool(capacity, device=model.device)

@@ -72,7 +72,7 @@ class ModelRunner:
         text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
         if tail is None or not tail.shape[0]:
             return text
-        return torch.cat([self.model.latents_as_voice(tail), text])
+        return torch.cat([self.flow_lm.embed_tail(tail, self.model.tail_projection), text])
 
     def copy_page(self, source: int, target: int, count: int) -> None:
         """Copy the first `count` slots of a shared page into a private one."""

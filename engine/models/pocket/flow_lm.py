@@ -102,6 +102,17 @@ class FlowLM(nn.Module):
             embeddings = torch.cat([self.bos_before_voice[0], embeddings], dim=0)
         return embeddings
 
+    def embed_tail(
+        self, latents: torch.Tensor, to_voice_space: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Prompt embeddings [T, D] for normalised latents [T, latent], like voice frames: how a
+        clause continues the previous clause's audio (chaining). `to_voice_space` maps latents
+        into the voice frames' space where that is wider (`PocketTTS.tail_projection`)."""
+        x = self.denormalize(latents)
+        if to_voice_space is not None:
+            x = to_voice_space(x.T[None])[0].T
+        return F.linear(x, self.speaker_proj_weight)
+
     def embed_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Backbone inputs [N, D] from normalised latents [N, latent]; NaN rows mean BOS."""
         latents = torch.where(torch.isnan(latents), self.bos_emb, latents)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from intone.engine.models.pocket.config import Config
 from intone.engine.models.pocket.flow_lm import FlowLM
@@ -36,15 +35,11 @@ class PocketTTS(nn.Module):
                 f"({config.mimi.quantizer.output_dimension})"
             )
 
-    def latents_as_voice(self, latents: torch.Tensor) -> torch.Tensor:
-        """Prompt embeddings [T, D] for normalised latents [T, latent]: like voice frames.
-
-        This is how a clause's audio continues the previous clause's (chaining).
-        """
-        x = self.flow_lm.denormalize(latents)
-        if self.latents_need_projection:
-            x = self.mimi.quantizer.output_proj(x.T[None])[0].T
-        return F.linear(x, self.flow_lm.speaker_proj_weight)
+    @property
+    def tail_projection(self) -> nn.Module | None:
+        """What `FlowLM.embed_tail` needs to put latents where voice frames live: the quantizer's
+        output projection where voice frames are wider than a latent, else nothing."""
+        return self.mimi.quantizer.output_proj if self.latents_need_projection else None
 
     @property
     def sample_rate(self) -> int:
