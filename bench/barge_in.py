@@ -45,7 +45,7 @@ def serve(model: str) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "intone.engine.cli", "serve", "--model", model]
+    command = [sys.executable, "-m", "intone.provider.cli", "serve", "--model", model]
     process = subprocess.Popen(
         command + ["--port", str(port), "--drain-timeout", "0"],
         stdout=subprocess.DEVNULL,

@@ -45,7 +45,7 @@ fi
 
 CKPT="$OUT/checkpoint-full"
 if [ ! -f "$CKPT/config.yaml" ]; then
-  "$PY" -m intone.engine.cli make-checkpoint --preset full --out "$CKPT" || exit 1
+  "$PY" -m intone.provider.cli make-checkpoint --preset full --out "$CKPT" || exit 1
 fi
 
 echo "== per-stage costs (cuda)"

@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -87,18 +89,9 @@ def _say(args: argparse.Namespace) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from intone.provider.server.serve import options_from_args, serve
-
-    if args.ray:
-        from intone.provider.server.ray_serve import ray_options_from_args, serve_ray
-
-        serve_ray(options_from_args(args), ray_options_from_args(args))
-        return
-    serve(options_from_args(args))
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*extra_commands: Callable[[Any], None]) -> argparse.ArgumentParser:
+    """The engine's commands, then each of `extra_commands(subparsers)`: `intone.provider.cli`
+    adds `serve` that way, so the engine never imports the server."""
     parser = argparse.ArgumentParser(prog="intone", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -153,106 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--float", action="store_true", help="write 32-bit float WAV")
     say.set_defaults(run=_say)
 
-    serve = commands.add_parser(
-        "serve",
-        help="run the server: WebSocket streaming, OpenAI-compatible /v1/audio/speech, demo "
-        "page at /, /healthz and /metrics (see docs/server.md)",
-    )
-    serve.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="released model name (`intone models`: english, fr, english_2m_2026-10, ...), "
-        "checkpoint dir, config .yaml or hf:// path (default: the released English model; if it "
-        "can't be had, a generated random-weight checkpoint, with a warning). Repeat to serve "
-        "several models, one engine each; the first is the default, requests pick one by name "
-        "or alias",
-    )
-    serve.add_argument(
-        "--voices", type=Path, default=None, help="directory of voice prompts "
-        "(.wav/.flac/.mp3/.safetensors), each registered under its file stem",
-    )  # fmt: skip
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--drain-timeout", type=float, default=30.0,
-        help="seconds in-flight streams get to finish on SIGTERM before they are cancelled",
-    )  # fmt: skip
-    serve.add_argument("--log-json", action="store_true", help="JSON-lines logs")
-    serve.add_argument(
-        "--fallback-preset", choices=["full", "tiny", "none"], default="full",
-        help="random-weight checkpoint to serve when the default model is unavailable "
-        "('none': fail instead)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--voice-alias", action="append", default=[], metavar="NAME=VOICE",
-        help="map a requested voice name (e.g. an OpenAI one: alloy) to a registry voice",
-    )  # fmt: skip
-    # Access and limits (docs/server.md, "Running it on the internet"). Defaults: ServerSettings.
-    serve.add_argument(
-        "--api-key", action="append", default=[], metavar="KEY",
-        help="require this API key (repeatable; also INTONE_API_KEYS=k1,k2). Off by default",
-    )  # fmt: skip
-    serve.add_argument(
-        "--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
-        help="web origins (https://app.example.com) allowed besides the server's own; '*': any",
-    )  # fmt: skip
-    serve.add_argument(
-        "--allowed-hosts", action="append", default=[], metavar="HOST[,HOST]",
-        help="Host header names served (default on loopback: localhost, 127.0.0.1, ::1)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--public-metrics", action="store_true", help="/metrics and /stats without a key"
-    )
-    serve.add_argument("--max-connections", type=int, default=512, help="server-wide; 0: no limit")
-    serve.add_argument(
-        "--max-streams-per-client", type=int, default=128,
-        help="concurrent streams per API key (or client address without keys); 0: no limit",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-chars-per-minute", type=int, default=0,
-        help="text per API key (or client address) per minute; 0: no limit",
-    )  # fmt: skip
-    serve.add_argument("--max-streams-per-connection", type=int, default=32)
-    serve.add_argument("--max-message-bytes", type=int, default=64 * 1024)
-    serve.add_argument("--max-request-bytes", type=int, default=256 * 1024)
-    serve.add_argument("--max-text-chars", type=int, default=20_000, help="text per stream")
-    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="S")
-    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S")
-    serve.add_argument("--ws-idle-timeout", type=float, default=300.0, metavar="S")
-    serve.add_argument("--max-stream-seconds", type=float, default=1200.0, metavar="S")
-    serve.add_argument(
-        "--max-buffered-audio", type=float, default=10.0, metavar="S",
-        help="seconds of audio queued per stream for a client before generation waits",
-    )  # fmt: skip
-    serve.add_argument(
-        "--slow-client-timeout", type=float, default=30.0, metavar="S",
-        help="drop a client that takes no audio for this long (WebSocket close 4409)",
-    )  # fmt: skip
-    serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
-    serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
-    serve.add_argument(
-        "--max-rows-per-tenant", type=int, default=0, metavar="N",
-        help="generating rows one caller (API key, or client address) may hold while others "
-        "wait: fair share of --max-active (0: no cap)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--stream-idle-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a stream may go without text or audio before it ends (0: never)",
-    )
-    serve.add_argument("--kv-memory-mb", type=float, default=256.0)
-    serve.add_argument("--device", default="cpu")
-    from intone.provider.server.ray_serve import add_ray_arguments  # intone serve --ray
-
-    add_ray_arguments(serve)
-    serve.set_defaults(run=_serve)
+    for add_command in extra_commands:
+        add_command(commands)
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:
+    args = (parser or build_parser()).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

@@ -27,7 +27,7 @@ def offline_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def intone(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "intone.engine.cli", *map(str, args)],
+        [sys.executable, "-m", "intone.provider.cli", *map(str, args)],
         env=env,
         capture_output=True,
         text=True,

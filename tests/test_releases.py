@@ -97,7 +97,7 @@ def test_unsupported_field_or_sampler_fails_at_load_with_its_path(
 
 def test_models_command_lists_every_release() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "intone.engine.cli", "models"],
+        [sys.executable, "-m", "intone.provider.cli", "models"],
         capture_output=True,
         text=True,
         timeout=120,

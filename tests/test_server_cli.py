@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from intone.engine.cli import build_parser
+from intone.provider.cli import build_parser
 from intone.provider.server.serve import options_from_args
 
 
@@ -83,7 +83,7 @@ def test_serve_reports_a_bad_voices_dir(tiny_checkpoint, tmp_path):
 
     result = subprocess.run(
         [
-            sys.executable, "-m", "intone.engine.cli", "serve", "--model", str(tiny_checkpoint),
+            sys.executable, "-m", "intone.provider.cli", "serve", "--model", str(tiny_checkpoint),
             "--voices", str(tmp_path / "missing"), "--port", "0",
         ],
         capture_output=True,

@@ -33,7 +33,7 @@ def serve_process(tiny_checkpoint, tmp_path):
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - read back after the process ends
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "intone.engine.cli", "serve",
+            sys.executable, "-m", "intone.provider.cli", "serve",
             "--model", str(tiny_checkpoint),
             "--port", str(port),
             "--drain-timeout", str(DRAIN_TIMEOUT),

@@ -440,7 +440,7 @@ def serve_ray(serve_options: Any, ray_options: RayOptions) -> None:
         logger.info("bye")
 
 
-# ---- command line (engine/cli.py adds these to `intone serve`)
+# ---- command line (`add_serve_command` in serve.py adds these to `intone serve`)
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -499,7 +499,7 @@ def app_builder(args: dict[str, Any]) -> Any:
     flags without the dashes (`model`, `voices`, `replicas`, `max_active`, ...; true for a
     switch), parsed by the same parser, so both ways of deploying take the same options.
     """
-    from intone.engine.cli import build_parser
+    from intone.provider.cli import build_parser
     from intone.provider.server.serve import options_from_args
 
     argv = ["serve", "--ray"]
