@@ -11,7 +11,10 @@ TTS plugins) work unchanged with `base_url=http://HOST:PORT/v1`. What the fields
   length) or mp3 (the default, as OpenAI's). opus, aac and flac are refused with 400.
 * `stream_format`: "audio" (default, the bytes of `response_format`) or "sse" (events
   `speech.audio.delta` with base64 `audio`, then `speech.audio.done` with `usage`).
-* `speed` (0.25-4.0) and `instructions` are accepted and ignored: the model has no such control.
+* `speed`: 0.5-2.0 (the engine's range, within OpenAI's 0.25-4.0; outside it a 400 names the
+  range), by time-scaling the audio with the pitch kept. `instructions` is accepted and ignored.
+* `normalize` (an intone extension, default true): read numbers, prices, dates, times, URLs...
+  as words (`normalize_text`); false sends the text to the model as written.
 * `sample_rate` (an intone extension, 8000-48000): resample the output; default 24000.
 """
 
@@ -28,8 +31,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from intone.engine import AudioChunk, EngineFullError
+from intone.engine import AudioChunk, EngineFullError, GenerationOptions, InvalidOptionError
 from intone.engine import Stream as EngineStream
+from intone.engine.options import check_option
 from intone.provider.server import protocol
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
 from intone.provider.server.logs import bind
@@ -134,11 +138,17 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
             f"stream_format must be one of {STREAM_FORMATS}",
             "stream_format",
         )
-    speed = body.get("speed", 1.0)
-    if speed is not None and (
-        isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.25 <= speed <= 4.0
-    ):
-        raise ApiError(400, protocol.ErrorCode.BAD_OPTIONS, "'speed' must be 0.25 to 4.0", "speed")
+    given = {name: body[name] for name in ("speed", "normalize") if body.get(name) is not None}
+    for name, value in given.items():
+        try:
+            check_option(name, value)
+        except InvalidOptionError as e:
+            raise ApiError(400, protocol.ErrorCode.BAD_OPTIONS, str(e), name) from None
+    options = GenerationOptions(
+        chain_frames=engine.config.default_chain_frames,
+        flow_steps=engine.config.flow_steps,
+        **given,
+    )
     rate = body.get("sample_rate", OPENAI_SAMPLE_RATE)
     if (
         isinstance(rate, bool)
@@ -167,7 +177,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
 
     tokens = engine.loaded.tokenizer.count(text)
     try:
-        engine_stream = engine.stream(voice)
+        engine_stream = engine.stream(voice, options)
     except EngineFullError as e:
         raise ApiError(503, protocol.ErrorCode.SERVER_BUSY, str(e)) from None
     try:
