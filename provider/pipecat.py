@@ -33,7 +33,8 @@ from pipecat.utils.tracing.service_decorators import traced_tts
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel
-from intone.provider import shared
+from intone.engine.audio import to_pcm16
+from intone.provider import backends
 from intone.provider.errors import Kind, error_kind, is_busy
 
 # Generation settings a turn's stream takes from the service settings.
@@ -94,7 +95,7 @@ class _Turn:
     """One audio context's engine stream and the task moving its audio into the context."""
 
     context_id: str
-    speech: shared.SpeechStream
+    speech: backends.SpeechStream
     resampler: Any | None
     task: asyncio.Task | None = None
     has_text: bool = False
@@ -110,7 +111,7 @@ class IntoneTTSService(TTSService):
     stream (one audio context), so its clauses run in order and are chained (each clause is
     conditioned on the end of the previous one, which keeps the voice and prosody continuous).
     Throughput comes from batching across sessions: every service of the process that uses the
-    same model shares one engine (`intone.provider.shared`), so concurrent pipelines' requests
+    same model shares one engine (`intone.provider.registry`), so concurrent pipelines' requests
     run in the same engine steps.
 
     Text aggregation: TOKEN by default. The engine cuts the stream into clauses itself, with a
@@ -143,7 +144,7 @@ class IntoneTTSService(TTSService):
     voice or option INVALID_REQUEST, a busy engine or server RATE_LIMIT, after up to
     `BUSY_RETRY_DELAYS_S` of retries before the turn's first audio.
 
-    Loading: the shared engine loads in `start()`, off the event loop (`shared.prewarm(model)`
+    Loading: the shared engine loads in `start()`, off the event loop (`registry.prewarm(model)`
     before the pipeline starts loads it ahead; an engine already loaded is used at once).
 
     Remote mode: `base_url="ws://host:port"` sends the text to an `intone serve` process (its
@@ -181,8 +182,6 @@ class IntoneTTSService(TTSService):
             word_timestamps: push word-timed text frames (on by default).
             **kwargs: passed to `TTSService` (e.g. `sample_rate`).
         """
-        if base_url is not None and engine is not None:
-            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
         if isinstance(model, LoadedModel):
             model_name = model.source
         elif engine is not None:
@@ -213,13 +212,9 @@ class IntoneTTSService(TTSService):
         self._engine_config = engine_config
         # In-process, the registry loads the model once per process and every service of the
         # same model shares its engine; a load blocks, so it waits for `start()`.
-        self._backend: shared.SpeechBackend | None = None
-        if base_url is not None:
-            self._backend = shared.RemoteBackend(base_url)
-        elif engine is not None:
-            self._backend = shared.EngineBackend(shared.borrow(engine))
-        elif (lease := shared.acquire_loaded(model)) is not None:
-            self._backend = shared.EngineBackend(lease)
+        self._backend: backends.SpeechBackend | None = backends.make_backend(
+            model=model, base_url=base_url, engine=engine, load=False
+        )
 
     @property
     def engine(self) -> Engine | None:
@@ -246,9 +241,10 @@ class IntoneTTSService(TTSService):
         await super().start(frame)
         if self._backend is None:
             # Off the event loop: other pipelines of the process keep running while it loads.
-            lease = await shared.acquire_async(self._model, config=self._engine_config)
-            self._backend = shared.EngineBackend(lease)
-        if isinstance(self._backend, shared.RemoteBackend):
+            self._backend = await backends.make_backend_async(
+                model=self._model, engine_config=self._engine_config
+            )
+        if isinstance(self._backend, backends.RemoteBackend):
             # Connect now rather than on the first turn's text; a failure is reported then.
             try:
                 await self._backend.connect()
@@ -265,7 +261,7 @@ class IntoneTTSService(TTSService):
         if self._backend is not None:
             # Gives this service's hold on the shared engine back; other holders keep it.
             await self._backend.aclose()
-            if isinstance(self._backend, shared.RemoteBackend):
+            if isinstance(self._backend, backends.RemoteBackend):
                 await self._call_event_handler("on_disconnected")
 
     # ---- text in
@@ -353,7 +349,7 @@ class IntoneTTSService(TTSService):
         try:
             async for event in turn.speech:
                 if isinstance(event, AudioChunk):
-                    pcm = shared.to_pcm16(event.samples)
+                    pcm = to_pcm16(event.samples)
                     if turn.resampler is not None:
                         pcm = await turn.resampler.resample(pcm, source_rate, self.sample_rate)
                     await self._append_audio(turn, pcm)

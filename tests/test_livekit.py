@@ -36,7 +36,7 @@ from livekit.agents.voice.transcription import TranscriptSynchronizer
 from livekit.plugins import intone
 
 from intone.engine import Engine, EngineConfig
-from intone.provider import shared
+from intone.provider import registry
 from intone.provider.server import create_app
 
 # Clauses of a fixed length (random weights never hit EOS at this threshold): short, known audio.
@@ -171,7 +171,7 @@ def engine(tiny_checkpoint: Path):
     """The module's shared engine of the tiny checkpoint, pinned as a worker's prewarm pins it."""
     engine = intone.prewarm(str(tiny_checkpoint))
     yield engine
-    shared.shutdown()
+    registry.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def test_prewarm_outside_a_loop_loads_the_shared_engine(engine: Engine, tiny_che
     assert tts.engine is engine
     assert engine.metrics()["decode_batches"] > 0  # warmed up
     asyncio.run(tts.aclose())
-    assert engine in shared.engines()  # pinned: closing the instance keeps it
+    assert engine in registry.engines()  # pinned: closing the instance keeps it
 
 
 async def test_say_and_run_speak_in_real_time(engine: Engine, tiny_checkpoint: Path):
@@ -323,10 +323,10 @@ async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint:
     await first.synthesize("One.").collect()
     await second.synthesize("Two.").collect()
     assert first.engine is second.engine
-    assert shared.users(model) == 2
+    assert registry.users(model) == 2
 
     await first.aclose()
-    assert shared.users(model) == 1
+    assert registry.users(model) == 1
     frame = await second.synthesize("Still here.").collect()
     assert frame.duration > 0
     with pytest.raises(APIConnectionError):
@@ -334,7 +334,7 @@ async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint:
 
     engine = second.engine
     await second.aclose()
-    assert shared.users(model) == 0 and engine not in shared.engines()
+    assert registry.users(model) == 0 and engine not in registry.engines()
 
 
 async def test_load_fnc_reflects_engine_occupancy(engine: Engine, tiny_checkpoint: Path):
@@ -356,7 +356,7 @@ async def test_load_is_full_when_every_slot_is_taken(tiny_checkpoint: Path, tmp_
     streams = [tts.stream() for _ in range(3)]  # two generate, one waits for a slot
     for stream in streams:
         stream.push_text("Waiting for more text")
-    await wait_until(lambda: tts.engine is not None and shared.occupancy(tts.engine) == 1.0)
+    await wait_until(lambda: tts.engine is not None and registry.occupancy(tts.engine) == 1.0)
     assert intone.load_fnc() == 1.0
     for stream in streams:
         await stream.aclose()

@@ -45,7 +45,7 @@ from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.errors import ErrorCategory
 
 from intone.engine import Engine
-from intone.provider import shared
+from intone.provider import registry
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
 
@@ -89,9 +89,9 @@ def batched_steps(engine: Engine) -> int:
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint: Path):
     """The process's shared engine of the tiny checkpoint, pinned for the module."""
-    engine = shared.prewarm(tiny_checkpoint)
+    engine = registry.prewarm(tiny_checkpoint)
     yield engine
-    shared.shutdown()
+    registry.shutdown()
 
 
 @pytest.fixture

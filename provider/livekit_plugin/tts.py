@@ -1,7 +1,7 @@
 """intone TTS for LiveKit Agents: the batched Pocket TTS engine, in-process or remote.
 
 In-process (the default), every `TTS` instance of a worker process takes a lease on one shared
-engine per model (`intone.provider.shared`), so the sessions of all jobs in that process batch
+engine per model (`intone.provider.registry`), so the sessions of all jobs in that process batch
 together. That needs the jobs in one process: run the worker with
 `job_executor_type=JobExecutorType.THREAD`. With the default process-per-job executor, each job
 would load its own engine; run `intone serve` once and use `TTS(base_url=...)` instead.
@@ -40,12 +40,13 @@ from intone.engine import (
     ClauseDone,
     Engine,
     EngineConfig,
-    EngineError,
-    EngineFullError,
     LoadedModel,
     ModelUnavailableError,
 )
-from intone.provider import shared
+from intone.engine.audio import to_pcm16
+from intone.provider import backends
+from intone.provider.errors import Kind, error_kind
+from intone.provider.server.pcm import StreamResampler
 
 from .log import logger
 from .models import TTSModels, TTSVoices
@@ -159,13 +160,13 @@ class TTS(tts.TTS):
         # A plain lock, not an asyncio one: an instance may be used from several event loops
         # (thread executor), and acquisition runs on worker threads.
         self._backend_lock = threading.Lock()
-        self._backend: shared.SpeechBackend | None = None
+        self._backend: backends.SpeechBackend | None = None
         self._closed = False
         self._prewarm_task: asyncio.Task[None] | None = None
 
     @property
     def model(self) -> str:
-        if isinstance(self._backend, shared.RemoteBackend):
+        if isinstance(self._backend, backends.RemoteBackend):
             # The server's model, from its hello; until the first connection, what was asked.
             return self._backend.server_model or str(self._model or "unknown")
         if isinstance(self._model, LoadedModel):
@@ -247,7 +248,7 @@ class TTS(tts.TTS):
     async def _prewarm(self) -> None:
         try:
             backend = await self._get_backend()
-            if isinstance(backend, shared.RemoteBackend):
+            if isinstance(backend, backends.RemoteBackend):
                 await backend.connect()  # this event loop's connection, ready for the first turn
         except Exception as e:  # the first stream reports it as an APIError
             logger.warning("intone prewarm failed: %s", e)
@@ -276,14 +277,17 @@ class TTS(tts.TTS):
 
     # ---- backend
 
-    def _make_backend_sync(self) -> shared.SpeechBackend:
-        if self._base_url is not None:
-            return shared.RemoteBackend(self._base_url)
-        if self._own_engine is not None:
-            return shared.EngineBackend(shared.borrow(self._own_engine))
-        return shared.EngineBackend(shared.acquire(self._model, config=self._engine_config))
+    def _make_backend_sync(self) -> backends.SpeechBackend:
+        backend = backends.make_backend(
+            model=self._model,
+            base_url=self._base_url,
+            engine=self._own_engine,
+            engine_config=self._engine_config,
+        )
+        assert backend is not None
+        return backend
 
-    def _set_backend(self, backend: shared.SpeechBackend) -> shared.SpeechBackend:
+    def _set_backend(self, backend: backends.SpeechBackend) -> backends.SpeechBackend:
         """Keep the first backend made; a concurrent second one is given back."""
         with self._backend_lock:
             if self._backend is None and not self._closed:
@@ -296,7 +300,7 @@ class TTS(tts.TTS):
             raise APIConnectionError("intone TTS is closed", retryable=False)
         return current
 
-    async def _get_backend(self) -> shared.SpeechBackend:
+    async def _get_backend(self) -> backends.SpeechBackend:
         if self._closed:
             raise APIConnectionError("intone TTS is closed", retryable=False)
         backend = self._backend
@@ -309,7 +313,7 @@ class TTS(tts.TTS):
         return self._set_backend(made)
 
 
-def _close_backend(backend: shared.SpeechBackend) -> None:
+def _close_backend(backend: backends.SpeechBackend) -> None:
     asyncio.run(backend.aclose())
 
 
@@ -342,7 +346,7 @@ class ChunkedStream(tts.ChunkedStream):
             await _pump(
                 speech,
                 output_emitter,
-                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                StreamResampler(speech.sample_rate, self._tts.sample_rate),
                 self._conn_options.timeout,
                 progress,
             )
@@ -399,7 +403,7 @@ class SynthesizeStream(tts.SynthesizeStream):
             await _pump(
                 speech,
                 output_emitter,
-                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                StreamResampler(speech.sample_rate, self._tts.sample_rate),
                 self._conn_options.timeout,
                 progress,
             )
@@ -428,7 +432,9 @@ class SynthesizeStream(tts.SynthesizeStream):
                 return data
         return None
 
-    async def _feed(self, speech: shared.SpeechStream, progress: _Progress, has_text: bool) -> None:
+    async def _feed(
+        self, speech: backends.SpeechStream, progress: _Progress, has_text: bool
+    ) -> None:
         try:
             async for data in self._input_ch:
                 if isinstance(data, self._FlushSentinel):
@@ -456,7 +462,7 @@ class _Progress:
     clauses_done: int = 0
     feed_error: Exception | None = None
 
-    def owes_audio(self, speech: shared.SpeechStream) -> bool:
+    def owes_audio(self, speech: backends.SpeechStream) -> bool:
         """Whether the engine has text it has not finished speaking (what the timeout guards).
 
         Before the input ends, only clauses already submitted count: the LLM may be slow to
@@ -468,8 +474,8 @@ class _Progress:
 
 
 async def _open_speech(
-    backend: shared.SpeechBackend, opts: _TTSOptions, sample_rate: int
-) -> shared.SpeechStream:
+    backend: backends.SpeechBackend, opts: _TTSOptions, sample_rate: int
+) -> backends.SpeechStream:
     try:
         return await backend.open_stream(opts.voice, opts.generation(), sample_rate)
     except APIError:
@@ -479,9 +485,9 @@ async def _open_speech(
 
 
 async def _pump(
-    speech: shared.SpeechStream,
+    speech: backends.SpeechStream,
     output_emitter: tts.AudioEmitter,
-    resampler: shared.Resampler,
+    resampler: StreamResampler,
     timeout: float,
     progress: _Progress,
 ) -> None:
@@ -505,9 +511,9 @@ async def _pump(
             except StopAsyncIteration:
                 break
             if isinstance(event, AudioChunk):
-                samples = resampler.push(event.samples)
+                samples = resampler.process(event.samples)
                 if samples.size:
-                    output_emitter.push(shared.to_pcm16(samples))
+                    output_emitter.push(to_pcm16(samples))
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
                 # The clause's words, as the agent sent them, with their times in the segment:
@@ -521,9 +527,9 @@ async def _pump(
     finally:
         if pending is not None:
             pending.cancel()
-    tail = resampler.flush()
+    tail = resampler.finish()
     if tail.size:
-        output_emitter.push(shared.to_pcm16(tail))
+        output_emitter.push(to_pcm16(tail))
 
 
 def _note_request_id(request_id: str) -> None:
@@ -534,24 +540,22 @@ def _note_request_id(request_id: str) -> None:
 
 
 def _api_error(e: BaseException) -> APIError:
-    """The LiveKit error for an engine or client failure: decides retry and error reporting."""
+    """The LiveKit error for an engine or server failure, by its kind (the same in-process and
+    remote, `intone.provider.errors`): decides retry and error reporting."""
     if isinstance(e, APIError):
         return e
-    remote = shared.remote_error_status(e)
-    if remote is not None:
-        status, retryable = remote
-        if status is None:
-            return APIConnectionError(f"intone server: {e}", retryable=retryable)
-        return APIStatusError(str(e), status_code=status, retryable=retryable)
-    if isinstance(e, EngineFullError):
-        # Full for now: another attempt (or another worker) may have room.
-        return APIStatusError(str(e), status_code=503, retryable=True)
     if isinstance(e, ModelUnavailableError):
         return APIConnectionError(f"intone model unavailable: {e}", retryable=False)
-    if isinstance(e, ValueError):
+    kind = error_kind(e)
+    if kind is Kind.BUSY:
+        # Full for now: another attempt (or another worker) may have room.
+        return APIStatusError(f"intone is busy: {e}", status_code=503, retryable=True)
+    if kind in (Kind.BAD_REQUEST, Kind.BAD_INPUT):
         # Bad voice, options or text: the same request would fail again.
         return APIStatusError(str(e), status_code=400, retryable=False)
-    if isinstance(e, EngineError):
+    if kind is Kind.AUTH:
+        return APIStatusError(str(e), status_code=401, retryable=False)
+    if kind is Kind.SERVER:
         return APIStatusError(f"intone engine error: {e}", status_code=500, retryable=True)
     if isinstance(e, TimeoutError):
         return APITimeoutError(f"intone: {e}")
