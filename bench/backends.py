@@ -17,6 +17,7 @@ ask), `server_cpu_seconds()` (network modes), `await stop()`.
 - reference:   `pocket-tts serve` (the reference package's FastAPI server) on the same checkpoint
                over HTTP streaming, one keep-alive connection per client.
 - ws:          intone's WebSocket server (`intone serve`) through `intone.provider.client`.
+- ws-ray:      the same through Ray Serve's proxy: `intone serve --ray`, one replica.
 """
 
 from __future__ import annotations
@@ -306,10 +307,10 @@ class _Server:
         except Exception:
             return None
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 20) -> None:
         self.proc.terminate()
         try:
-            await asyncio.to_thread(self.proc.wait, 20)
+            await asyncio.to_thread(self.proc.wait, timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             await asyncio.to_thread(self.proc.wait)
@@ -398,10 +399,10 @@ def make_backend(
         return EngineBackend(model, voice_wav, device, engine_options)
     if mode == "reference":
         return ReferenceBackend(model, voice_wav, workdir)
-    if mode == "ws":
+    if mode in ("ws", "ws-ray"):
         from ws_backend import WsBackend
 
-        return WsBackend(model, voice_wav, device, workdir)
+        return WsBackend(model, voice_wav, device, workdir, ray=mode == "ws-ray")
     raise ValueError(f"unknown mode {mode!r}")
 
 

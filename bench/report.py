@@ -6,7 +6,15 @@ import json
 import sys
 from pathlib import Path
 
-MODE_ORDER = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws")
+MODE_ORDER = (
+    "sequential",
+    "interleaved",
+    "batched",
+    "batched-fast",
+    "reference",
+    "ws",
+    "ws-ray",
+)
 
 
 def _f(value, digits: int = 0, scale: float = 1.0) -> str:

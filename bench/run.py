@@ -1,7 +1,7 @@
 """The benchmark runner: serving approaches side by side over a concurrency sweep.
 
     python bench/run.py --model checkpoints/full --out results/bench \
-        [--modes sequential,interleaved,batched,batched-fast,reference,ws] \
+        [--modes sequential,interleaved,batched,batched-fast,reference,ws,ws-ray] \
         [--concurrency 1,2,4,8,16] [--requests N] [--arrival-rate R] [--device cpu]
 
 Each mode runs in a fresh worker process (this script with --worker), one level after another:
@@ -42,8 +42,8 @@ from common import (  # noqa: E402
     round_floats,
 )
 
-MODES = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws")
-NETWORK_MODES = ("reference", "ws")
+MODES = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws", "ws-ray")
+NETWORK_MODES = ("reference", "ws", "ws-ray")
 SLOW_MODES = ("sequential", "interleaved", "reference")
 FULL_REQUESTS = 16 * len(PROMPTS)
 # A stricter capacity besides the issue's: also first audio within this at p95 (queueing shows
@@ -315,7 +315,7 @@ def acceptance(runs: list[dict]) -> dict:
 
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     baselines = [m for m in modes if split_mode(m)[0] == "sequential" and find(m, 1)]
-    engines = [m for m in modes if split_mode(m)[0] in ("batched", "batched-fast", "ws")]
+    engines = [m for m in modes if split_mode(m)[0] in ("batched", "batched-fast", "ws", "ws-ray")]
     out: dict = {
         "targets": {"throughput_c8_vs_sequential": ">= 3", "ttfa_p50_c1_vs_sequential": "<= 1.1"},
         "baselines": {},

@@ -4,6 +4,12 @@ The server runs the same engine as `batched` (default EngineConfig: `intone serv
 option), so ws minus batched is the transport's cost: JSON control messages, PCM over WebSocket,
 a second process, and the client's own CPU on the same cores.
 
+`ws-ray` runs the same server as one Ray Serve replica behind Ray's HTTP proxy (`intone serve
+--ray --replicas 1`, a local Ray cluster): ws-ray minus ws is the proxy's cost. One stream per
+connection there (`--ray-streams-per-connection 1`), so Ray admits as many connections as the
+engine has rows (16); those connections fill the replica, so ws-ray reports no stage batch
+means (its /stats request would queue behind them).
+
 Connections follow the production advice: opened once before measuring and reused; one
 connection per concurrent client slot (as many as the sweep's largest concurrency), requests
 spread round-robin over them. Audio is 16-bit PCM at the model's rate (no resampling).
@@ -34,9 +40,11 @@ class WsBackend:
         device: str,
         workdir: Path,
         connections: int = 16,
+        ray: bool = False,
     ):
         self.model, self.voice_wav, self.device, self.workdir = model, voice_wav, device, workdir
         self.connections = connections
+        self.ray = ray
         self._stages0: dict | None = None
 
     async def start(self) -> None:
@@ -50,8 +58,11 @@ class WsBackend:
         cmd = [exe, "serve", "--model", self.model, "--voices", str(voices)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", self.device]
         cmd += ["--fallback-preset", "none"]
+        if self.ray:
+            cmd += ["--ray", "--replicas", "1", "--ray-streams-per-connection", "1"]
         self.base = f"http://127.0.0.1:{port}"
-        self.server = _Server(cmd, f"{self.base}/healthz", self.workdir / "ws-server.log")
+        log = self.workdir / ("ws-ray-server.log" if self.ray else "ws-server.log")
+        self.server = _Server(cmd, f"{self.base}/healthz", log)
         await self.server.start()
         self.clients = []
         for _ in range(self.connections):
@@ -81,6 +92,10 @@ class WsBackend:
     def _engine_stats(self) -> dict | None:
         import httpx
 
+        if self.ray:
+            # The benchmark's connections take every slot Ray gives the replica (one per engine
+            # row): a /stats request would wait behind them. No stage batch means for ws-ray.
+            return None
         try:
             return httpx.get(f"{self.base}/stats", timeout=10).json()["engine"]
         except Exception:
@@ -110,7 +125,7 @@ class WsBackend:
 
     def info(self) -> dict:
         return {
-            "server": "intone serve",
+            "server": "intone serve --ray (1 replica)" if self.ray else "intone serve",
             "server_device": self.device,
             "connections": self.connections,
             "cmd": self.server.cmd,
@@ -119,4 +134,5 @@ class WsBackend:
     async def stop(self) -> None:
         for client in self.clients:
             await client.close()
-        await self.server.stop()
+        # Under Ray the replica drains first (module doc of intone.provider.server.ray_serve).
+        await self.server.stop(90 if self.ray else 20)

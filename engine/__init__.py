@@ -11,6 +11,7 @@ from intone.engine.errors import (
     InvalidOptionError,
     StreamClosedError,
     TextTooLongError,
+    UnknownModelError,
     UnknownVoiceError,
 )
 from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
@@ -35,6 +36,7 @@ __all__ = [
     "Stream",
     "StreamClosedError",
     "TextTooLongError",
+    "UnknownModelError",
     "UnknownVoiceError",
     "load_model",
 ]

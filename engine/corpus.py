@@ -1,11 +1,13 @@
-"""A seeded generator of English-like sentences, the training text for the local tokenizer.
+"""Seeded generators of sentences in each model language, the training text for local tokenizers.
 
-The released tokenizer cannot be fetched offline and no third-party corpus is shipped, so the
+The released tokenizers cannot be fetched offline and no third-party corpus is shipped, so the
 checkpoint maker trains its own SentencePiece model on text made here from word lists and
-templates. It only has to look enough like English for a 4000-piece vocabulary to be reachable and
-to give punctuation (. , ! ? ; :) and digits pieces of their own, as the text chunker expects.
-Punctuation is always attached to the preceding word (never " ."), so "." is a piece but "▁." is
-not, like in the released vocabulary.
+templates. It only has to look enough like the language for a 4000-piece vocabulary to be
+reachable and to give punctuation (. , ! ? ; :) and digits pieces of their own, as the text
+chunker expects. Punctuation is always attached to the preceding word (never " ."), so "." is a
+piece but "▁." is not, like in the released vocabulary. Every corpus ends with lines that hold
+each character of the language's alphabet (with its diacritics, both cases), the digits and the
+punctuation, so that a tokenizer trained on it has a piece for each (`ALPHABETS`).
 """
 
 from __future__ import annotations
@@ -218,8 +220,158 @@ class _Maker:
         return text[0].upper() + text[1:] + end
 
 
-def sentences(seed: int, count: int) -> Iterator[str]:
-    """Yield `count` sentences, the same ones for the same seed."""
-    maker = _Maker(seed)
+# The letters of each model language beyond a-z, both cases.
+_EXTRA_LETTERS = {
+    "english": "",
+    "french": "àâæçéèêëîïôœùûüÿ",
+    "german": "äöüß",
+    "spanish": "áéíóúñü",
+    "italian": "àèéìíîòóùú",
+    "portuguese": "áâãàçéêíóôõúü",
+    "dutch": "áéíóúàèëïöü",
+}
+LANGUAGES = tuple(_EXTRA_LETTERS)
+DIGITS = "0123456789"
+PUNCTUATION = ".,!?;:'\"-()%$&/–—’«»¿¡€"
+
+
+def alphabet(language: str) -> str:
+    """Every letter of `language`, lower then upper case ("ß" has no single upper case)."""
+    lower = "abcdefghijklmnopqrstuvwxyz" + _EXTRA_LETTERS[language]
+    return lower + "".join(c.upper() for c in lower if len(c.upper()) == 1)
+
+
+# Common words with the language's diacritics; made-up words from its letters widen the rest.
+_WORDS = {
+    "french": _words("""
+le la les un une des et mais ou donc car est était sont avec pour dans sur sous chez très déjà
+où là à ça élève école fenêtre forêt garçon français père mère frère sœur cœur œuvre noël maïs
+naïf hôtel hôpital île château août crème bientôt fête être même après voilà aujourd'hui
+l'été qu'il c'est n'est j'ai économie société vérité liberté égalité musée théâtre café thé
+journée soirée matin nuit jour ville pays monde maison voiture chemin rivière montagne mer plage
+soleil lune étoile pluie neige vent froid chaud beau grand petit jeune vieux nouveau heureux
+triste rapide lent parler manger boire aller venir voir savoir pouvoir vouloir faire dire
+prendre donner trouver penser aimer chercher où dû sûr goût piqûre ambiguë aïeul Ève Élise
+"""),
+    "german": _words("""
+der die das ein eine und aber oder weil ist war sind mit für in auf unter bei sehr schon über
+für Mädchen Junge Straße Fuß groß klein schön müde früh spät Bäcker Brötchen Käse Äpfel Öl
+Übung Tür Zimmer Stadt Land Welt Haus Auto Weg Fluss Berg Meer Strand Sonne Mond Stern Regen
+Schnee Wind kalt warm alt neu glücklich traurig schnell langsam sprechen essen trinken gehen
+kommen sehen wissen können wollen machen sagen nehmen geben finden denken lieben suchen heißen
+während zurück natürlich Grüße Gemüse Brücke Mädchenname Fräulein Österreich Übersee Ärger
+"""),
+    "spanish": _words("""
+el la los las un una y pero o porque es era son con para en sobre bajo muy ya más también aquí
+allí niño niña año mañana señor señora corazón canción nación educación información café música
+árbol lápiz fácil difícil rápido película médico teléfono pingüino vergüenza cigüeña España
+ciudad país mundo casa coche camino río montaña mar playa sol luna estrella lluvia nieve viento
+frío caliente viejo nuevo feliz triste lento hablar comer beber ir venir ver saber poder querer
+hacer decir tomar dar encontrar pensar amar buscar cómo qué cuándo dónde quién está están él tú
+"""),
+    "italian": _words("""
+il lo la i gli le un una e ma o perché è era sono con per in su sotto molto già più anche qui
+là città università perché così però virtù caffè tè più giù lunedì martedì venerdì ragazzo
+ragazza anno mattina sera notte giorno paese mondo casa macchina strada fiume montagna mare
+spiaggia sole luna stella pioggia neve vento freddo caldo bello grande piccolo giovane vecchio
+nuovo felice triste veloce lento parlare mangiare bere andare venire vedere sapere potere volere
+fare dire prendere dare trovare pensare amare cercare età verità libertà novità attività bontà
+"""),
+    "portuguese": _words("""
+o a os as um uma e mas ou porque é era são com para em sobre sob muito já mais também aqui ali
+não então irmão irmã mãe pão coração canção nação educação informação você avô avó português
+café música árvore fácil difícil rápido médico telefone água três mês país cidade mundo casa
+carro caminho rio montanha mar praia sol lua estrela chuva neve vento frio quente velho novo
+feliz triste lento falar comer beber ir vir ver saber poder querer fazer dizer tomar dar
+encontrar pensar amar procurar está estão até após através também lição opção manhã amanhã
+"""),
+    "dutch": _words("""
+de het een en maar of omdat is was zijn met voor in op onder bij heel al meer ook hier daar
+café één twee drie vier ideeën zeeën geïnteresseerd geïrriteerd reünie coördinatie België
+knieën financiële misère crème à la carte ruïne naïef hè vóór dóór wél níet stad land wereld
+huis auto weg rivier berg zee strand zon maan ster regen sneeuw wind koud warm oud nieuw blij
+verdrietig snel langzaam praten eten drinken gaan komen zien weten kunnen willen maken zeggen
+nemen geven vinden denken houden zoeken meisje jongen straat kind school fiets boterham kaas
+"""),
+}
+
+
+class _WordsMaker:
+    """Sentences in a language other than English: its words, made-up words from its letters,
+    numbers and punctuation, over one `random.Random`."""
+
+    def __init__(self, seed: int, language: str) -> None:
+        self.r = random.Random(seed)
+        letters = "abcdefghijklmnopqrstuvwxyz" + _EXTRA_LETTERS[language]
+        vowels = "aeiouy" + _EXTRA_LETTERS[language]
+        consonants = [c for c in letters if c not in vowels]
+        r = self.r
+        made_up = [
+            "".join(
+                r.choice(consonants) + r.choice(vowels) + r.choice(["", "", r.choice(consonants)])
+                for _ in range(r.randint(1, 3))
+            )
+            for _ in range(3000)
+        ]
+        self.words = _WORDS[language] * 8 + made_up
+        self.names = [w.capitalize() for w in made_up[:300]]
+
+    def _number(self) -> str:
+        r = self.r
+        kind = r.randrange(5)
+        if kind == 0:
+            return str(r.randint(0, 100))
+        if kind == 1:
+            return str(r.randint(1900, 2099))
+        if kind == 2:
+            return f"{r.randint(1, 999)},{r.randint(0, 99):02d}"
+        if kind == 3:
+            return f"{r.randint(1, 23)}:{r.randint(0, 59):02d}"
+        return f"{r.randint(1, 99)}%"
+
+    def _clause(self) -> str:
+        r = self.r
+        words = []
+        for _ in range(r.randint(3, 9)):
+            pick = r.random()
+            if pick < 0.08:
+                words.append(self._number())
+            elif pick < 0.15:
+                words.append(r.choice(self.names))
+            else:
+                words.append(r.choice(self.words))
+        return " ".join(words)
+
+    def sentence(self) -> str:
+        r = self.r
+        kind = r.randrange(10)
+        if kind < 4:
+            text, end = self._clause(), "."
+        elif kind < 6:
+            text, end = f"{self._clause()}, {self._clause()}", "."
+        elif kind == 6:
+            text, end = f"{self._clause()}; {self._clause()}", "."
+        elif kind == 7:
+            text, end = f"{self._clause()}: {self._clause()}", "!"
+        elif kind == 8:
+            text, end = self._clause(), "?"
+        else:
+            text, end = f'{r.choice(self.names)}: "{self._clause()}', '..."'
+        return text[0].upper() + text[1:] + end
+
+
+def coverage_lines(language: str) -> list[str]:
+    """Lines holding every letter, digit and punctuation mark, each as a word of its own."""
+    marks = " ".join(f"a{p}" for p in PUNCTUATION)
+    return [" ".join(alphabet(language)), " ".join(DIGITS), marks] * 3
+
+
+def sentences(seed: int, count: int, language: str = "english") -> Iterator[str]:
+    """Yield `count` sentences in `language`, the same ones for the same seed, then the
+    alphabet-coverage lines."""
+    if language not in _EXTRA_LETTERS:
+        raise ValueError(f"no corpus for language {language!r}: expected one of {LANGUAGES}")
+    maker = _Maker(seed) if language == "english" else _WordsMaker(seed, language)
     for _ in range(count):
         yield maker.sentence()
+    yield from coverage_lines(language)

@@ -7,16 +7,25 @@ never see each other's history. A slot is reset to a fresh history when it is ha
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from intone.engine.models.pocket.conv import State
-from intone.engine.models.pocket.mimi import Mimi
+
+
+class Decoder(Protocol):
+    """What decodes latents with explicit per-row state: `Mimi` itself, or its `GemmDecoder`."""
+
+    def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State: ...
+
+    def decode(self, latents: torch.Tensor, state: State) -> torch.Tensor: ...
 
 
 class DecoderStatePool:
-    def __init__(self, mimi: Mimi, num_slots: int, device: torch.device):
-        self.rows = mimi.init_decoder_state(num_slots, device)
-        self.fresh = mimi.init_decoder_state(1, device)
+    def __init__(self, decoder: Decoder, num_slots: int, device: torch.device):
+        self.rows = decoder.init_decoder_state(num_slots, device)
+        self.fresh = decoder.init_decoder_state(1, device)
         self.num_slots = num_slots
         self.free_slots = list(range(num_slots - 1, -1, -1))
 

@@ -28,10 +28,12 @@ from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
+from intone.engine.precision import resolve_precision
 from intone.engine.scheduler import Scheduler, VoicePrefix
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import AudioChunk, ClauseDone, Stream
 from intone.engine.text import ClauseSplitter
+from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice, load_voice
 
 __all__ = [
@@ -50,12 +52,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineConfig:
     device: str = "cpu"
-    # "bfloat16" runs the FlowLM transformer and its KV cache in bf16: about twice the speed on
-    # CPUs with AVX-512 BF16, at a tolerance of its own against float32 (docs/benchmarks.md).
-    dtype: str = "float32"
-    # Intra-op threads for torch (process-wide). None: half the cores, since the AR and decoder
-    # stages run at once on two threads (measured on 2 cores: 9.4 audio-s/s at 8 streams with
-    # one thread each against 6.6 with two; docs/benchmarks.md). 0 leaves torch's setting.
+    # Precision policy (engine/precision.py): "auto" is the fastest that holds the fast path's
+    # tolerance against float32 on this device; "float32" runs everything in float32; "bfloat16"
+    # the FlowLM in bf16 (and on the CPU the Mimi decoder transformer in int8).
+    dtype: str = "auto"
+    # Intra-op threads for torch (process-wide). None: the cores divided among the stages busy at
+    # the moment (engine/thread_budget.py): half each while the AR and decoder stages both run
+    # (measured on 2 cores: 9.4 audio-s/s at 8 streams with one thread each against 6.6 with
+    # two; docs/benchmarks.md), all of them for a stage running alone. 0 leaves torch's setting.
     torch_threads: int | None = None
     # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
     # None runs every batch at its own size, which is cheaper on a CPU.
@@ -76,8 +80,7 @@ class EngineConfig:
     clause_max_tokens: int = 50
 
     def validate(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"EngineConfig.dtype must be float32 or bfloat16, not {self.dtype!r}")
+        resolve_precision(self.dtype, self.device)
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
         for name in positive + ("max_decode_frames",):
             if getattr(self, name) < 1:
@@ -91,18 +94,21 @@ class Engine:
         self.loaded = loaded
         self.device = torch.device(config.device)
         threads = config.torch_threads
+        budget = None
         if threads is None:
-            threads = max(1, (os.cpu_count() or 2) // 2)
+            budget = ThreadBudget(os.cpu_count() or 2)
+            threads = budget.threads_for(2)
         if threads:
             torch.set_num_threads(threads)
         self.model = loaded.model
-        if config.dtype != "float32":
+        precision = resolve_precision(config.dtype, config.device)
+        if precision.flow_lm != torch.float32:
             # The loaded model may be shared with float32 users: cast a copy.
             self.model = copy.deepcopy(loaded.model)
-            self.model.flow_lm.transformer.to(getattr(torch, config.dtype))
+            self.model.flow_lm.transformer.to(precision.flow_lm)
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
-        slot_bytes = 2 * flow_lm.num_layers * flow_lm.dim * flow_lm.transformer.dtype.itemsize
+        slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes
         num_pages = config.num_pages or max(
             1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size))
         )
@@ -114,6 +120,8 @@ class Engine:
             config.flow_steps,
             self.device,
             config.batch_buckets,
+            decoder_int8=precision.decoder_int8,
+            thread_budget=budget,
         )
         self.scheduler = Scheduler(
             self.runner, self.blocks, config.max_active, config.max_prefill_tokens

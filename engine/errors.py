@@ -27,6 +27,12 @@ class UnknownVoiceError(EngineError, ValueError):
     code = "unknown_voice"
 
 
+class UnknownModelError(EngineError, ValueError):
+    """The model asked for is not one this server or process serves; the message lists them."""
+
+    code = "unknown_model"
+
+
 class EmptyTextError(EngineError, ValueError):
     """A request ended without any speakable text."""
 

@@ -15,23 +15,16 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from torch.nn import functional as F
 
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions, plan_clause
 from intone.engine.voices import Voice
 
 # The reference fades in the first 5 ms (sample_rate // 200) of a fresh decoder state to hide a
 # small step in its first samples.
 FADE_IN_DIVISOR = 200
-
-
-def chain_embeddings(loaded: LoadedModel, tail: torch.Tensor) -> torch.Tensor:
-    """Prompt embeddings for a previous clause's normalised latents: like voice frames."""
-    flow_lm = loaded.model.flow_lm
-    return F.linear(flow_lm.denormalize(tail), flow_lm.speaker_proj_weight)
 
 
 def fade_in(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
@@ -70,13 +63,10 @@ class ClauseGenerator:
         )
         parts = [self.flow_lm.embed_text(torch.tensor(plan.tokens, device=model.device))]
         if tail is not None and tail.shape[0]:
-            parts.insert(0, chain_embeddings(loaded, tail))
+            parts.insert(0, model.latents_as_voice(tail))
         prompt = torch.cat(parts)
         capacity = voice.length + prompt.shape[0] + plan.max_frames
-        tf = self.flow_lm.transformer
-        self.pool = KVPool(
-            len(tf.layers), capacity, tf.num_heads, tf.head_dim, dtype=tf.dtype, device=model.device
-        )
+        self.pool = self.flow_lm.new_kv_pool(capacity, device=model.device)
         self.pool.write(torch.arange(voice.length, device=model.device), voice.keys, voice.values)
         self.slots = torch.arange(capacity)
         self.length = voice.length + prompt.shape[0]

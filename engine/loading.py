@@ -1,7 +1,9 @@
 """Finding and loading a checkpoint: config, tokenizer, weights and intone's own settings.
 
-`--model` may name a checkpoint directory (holding `config.yaml`), a config file, an `hf://` path,
-or nothing, which means the released Pocket TTS English model on the Hugging Face Hub.
+`--model` may name a released model (`english`, `french_24l`, `english_2m_2026-10`, ...: see
+`releases.py`; `kyutai/pocket-tts`, language codes such as `fr`), a checkpoint directory (holding
+`config.yaml`), a config file, an `hf://` path, or nothing, which means the released Pocket TTS
+English model. A release's weights, tokenizer and voices are fetched from the Hugging Face Hub.
 """
 
 from __future__ import annotations
@@ -15,24 +17,32 @@ import safetensors.torch
 import torch
 import yaml
 
+from intone.engine import releases
 from intone.engine.models.pocket.config import Config, load_config
 from intone.engine.models.pocket.model import ENCODER_PREFIXES, PocketTTS
 from intone.engine.text import TextOptions, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PACKAGED_CONFIGS = Path(__file__).parent / "configs"
-DEFAULT_MODEL = "kyutai/pocket-tts"
-# Hub names that mean the released English model.
-RELEASED_ALIASES = {DEFAULT_MODEL, "english", "pocket-tts"}
+DEFAULT_MODEL = releases.DEFAULT_MODEL
+# Names that mean the released English model (its `source`).
+RELEASED_ALIASES = {DEFAULT_MODEL, "english", "pocket-tts", "en"}
+# Predefined voices: voice states precomputed per release, as the reference fetches them.
 RELEASED_VOICE_URL = (
-    "hf://kyutai/pocket-tts-without-voice-cloning/languages/english/embeddings/"
+    "hf://kyutai/pocket-tts-without-voice-cloning/languages/{release}/embeddings/"
     "{name}.safetensors@a7056f505a4a8ca72d8b5fb1440071d6f1a35739"
 )
 RELEASED_VOICES = (
     "alba", "marius", "javert", "jean", "fantine", "cosette", "eponine", "azelma", "anna",
-    "vera", "charles", "paul", "george", "mary", "jane", "michael", "eve",
+    "vera", "charles", "paul", "george", "mary", "jane", "michael", "eve", "bill_boerst",
+    "peter_yearsley", "stuart_bell", "caro_davy", "giovanni", "lola", "juergen", "rafael",
+    "daan", "estelle",
 )  # fmt: skip
+# The reference's default voice per language.
+DEFAULT_VOICES = {
+    "english": "alba", "french": "estelle", "german": "juergen", "spanish": "lola",
+    "italian": "giovanni", "portuguese": "rafael", "dutch": "daan",
+}  # fmt: skip
 INTONE_SETTINGS_FILE = "intone.yaml"
 
 
@@ -96,8 +106,10 @@ def sibling(source: str, name: str) -> str:
 def resolve_config_path(model: str | Path | None) -> tuple[Path, str]:
     """The config file for a --model value, and a description of where it came from."""
     name = str(model) if model is not None else DEFAULT_MODEL
-    if name in RELEASED_ALIASES:
-        return PACKAGED_CONFIGS / "english.yaml", DEFAULT_MODEL
+    release = releases.release_name(name)
+    if release is not None:
+        source = DEFAULT_MODEL if release == releases.DEFAULT_RELEASE else release
+        return releases.config_path(release), source
     if name.startswith("hf://"):
         return fetch(name, "config"), name
     path = Path(name)
@@ -105,8 +117,9 @@ def resolve_config_path(model: str | Path | None) -> tuple[Path, str]:
         path = path / "config.yaml"
     if not path.is_file():
         raise ModelUnavailableError(
-            f"no model at {name!r}: expected a checkpoint directory holding config.yaml, a "
-            "config .yaml file, an hf:// path, or 'kyutai/pocket-tts'."
+            f"no model at {name!r}: expected a released model name "
+            f"({', '.join(releases.known_names())}), a checkpoint directory holding "
+            "config.yaml, a config .yaml file, or an hf:// path."
         )
     return path, str(path)
 
@@ -170,14 +183,21 @@ def load_model(
     load_weights(net, weights_file)
     net.eval().to(device)
 
-    settings = {} if source == DEFAULT_MODEL else _read_intone_settings(source)
+    release = releases.release_name(source)
+    settings = {} if release is not None else _read_intone_settings(source)
     voices = {name: sibling(source, rel) for name, rel in settings.get("voices", {}).items()}
     default_voice = settings.get("default_voice")
     weights = "generated" if "preset" in settings else "custom"
-    if source == DEFAULT_MODEL:
+    if release is not None:
         weights = "released"
-        voices.update({name: RELEASED_VOICE_URL.format(name=name) for name in RELEASED_VOICES})
-        default_voice = "alba"
+        voices.update(
+            {
+                name: RELEASED_VOICE_URL.format(release=release, name=name)
+                for name in RELEASED_VOICES
+            }
+        )
+        default_voice = DEFAULT_VOICES[releases.language_of(release)]
+    language = releases.language_of(release) if release else settings.get("language", "english")
     logger.info("loaded %s (%s weights) from %s", source, weights, weights_file)
     return LoadedModel(
         model=net,
@@ -188,6 +208,7 @@ def load_model(
         weights=weights,
         voices=voices,
         default_voice=default_voice,
+        language=releases.LANGUAGES.get(language, "en"),
     )
 
 

@@ -7,15 +7,18 @@ step free of data-dependent Python, the precondition for replaying it as a CUDA 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.nn import functional as F
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, SlotAttention, plan_step
+from intone.engine.models.pocket.gemm_decoder import make_decoder
+from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
+from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
 
 
@@ -28,6 +31,8 @@ class ModelRunner:
         flow_steps: int,
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
+        decoder_int8: bool = False,
+        thread_budget: ThreadBudget | None = None,
     ):
         self.model = model
         self.flow_lm = model.flow_lm
@@ -35,24 +40,21 @@ class ModelRunner:
         self.flow_steps = flow_steps
         self.device = device
         self.batch_buckets = sorted(batch_buckets) if batch_buckets else None
-        transformer = self.flow_lm.transformer
-        self.pool = KVPool(
-            self.flow_lm.num_layers,
-            # One page past the pool's end is scratch space for the padding rows of a bucket.
-            (blocks.num_pages + 1) * blocks.page_size,
-            transformer.num_heads,
-            transformer.head_dim,
-            dtype=transformer.dtype,
-            device=device,
+        # One page past the pool's end is scratch space for the padding rows of a bucket.
+        self.pool = self.flow_lm.new_kv_pool(
+            (blocks.num_pages + 1) * blocks.page_size, device=device
         )
-        self.decoder_states = DecoderStatePool(model.mimi, decoder_slots, device)
+        # Stage calls count themselves busy so torch's threads follow the busy stage.
+        self.threads = thread_budget
+        self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
+        self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
 
     def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
         """A clause's prompt: the chaining tail as extra voice frames, then the text."""
         text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
         if tail is None or not tail.shape[0]:
             return text
-        voice_like = F.linear(self.flow_lm.denormalize(tail), self.flow_lm.speaker_proj_weight)
+        voice_like = self.model.latents_as_voice(tail)
         return torch.cat([voice_like, text])
 
     def copy_page(self, source: int, target: int, count: int) -> None:
@@ -79,7 +81,8 @@ class ModelRunner:
             steps.append(SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0]))
         positions, attention = plan_step(self.pool, steps)
         prompts = torch.cat([r.prompt for r in requests if r.prompt is not None])
-        self.flow_lm.backbone(prompts, positions, attention)
+        with self._busy():
+            self.flow_lm.backbone(prompts, positions, attention)
 
     @torch.no_grad()
     def generate(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +114,12 @@ class ModelRunner:
             noise = torch.cat([noise, noise.new_zeros(padding, noise.shape[1])])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
         positions, attention = plan_step(self.pool, steps, key_multiple)
-        latents, eos_logits = self._generate_step(previous, positions, attention, noise)
+        with self._busy():
+            latents, eos_logits = self._generate_step(previous, positions, attention, noise)
         return latents[:rows], eos_logits[:rows]
+
+    def _busy(self) -> contextlib.AbstractContextManager:
+        return self.threads.busy() if self.threads else contextlib.nullcontext()
 
     def _bucket(self, rows: int) -> int:
         """Rows padded to the next batch bucket, so steps take a few fixed shapes."""
@@ -134,7 +141,8 @@ class ModelRunner:
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
         """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim]."""
         index = torch.tensor(slots, device=self.device)
-        state = self.decoder_states.gather(index)
-        audio = self.model.mimi.decode(self.flow_lm.denormalize(latents), state)
-        self.decoder_states.scatter(index, state)
+        with self._busy():
+            state = self.decoder_states.gather(index)
+            audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
+            self.decoder_states.scatter(index, state)
         return audio[:, 0]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-from intone.engine.text import max_gen_len, normalize_text, prepare_text
+from intone.engine.text import max_gen_len, normalize_text, prompt_tokens
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -126,8 +126,7 @@ def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) ->
     # Spoken form first: "$1,234.56" is a dozen words, and the frame budget follows the tokens.
     if options.normalize:
         clause = normalize_text(clause, loaded.language) or clause
-    text, frames_after_eos_guess = prepare_text(clause, loaded.text_options)
-    tokens = loaded.tokenizer.encode(text)
+    tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
     frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
     if options.max_frames is not None:
         frames = min(frames, options.max_frames)

@@ -156,6 +156,24 @@ def prepare_text(text: str, options: TextOptions | None = None) -> tuple[str, in
     return text, frames_after_eos_guess + _EXTRA_FRAMES_AFTER_EOS
 
 
+def prompt_tokens(
+    tokenizer: Codec, clause: str, options: TextOptions | None = None
+) -> tuple[list[int], int]:
+    """A clause's prompt tokens and default frames_after_eos, as the reference computes them.
+
+    The reference prepares the text, then its chunker encodes and decodes it, and the chunk is
+    prepared and encoded again. The round trip is not a no-op: a character outside the vocabulary
+    comes back as the unknown piece's text (" ⁇ " for SentencePiece, "<unk>" for `tokenizers`),
+    which encodes to other tokens and may change the word count, hence the frame budget and the
+    frames_after_eos guess. Raises ValueError when the clause is empty or only whitespace.
+    """
+    text, _ = prepare_text(clause, options)
+    # A clause of characters that decode to nothing keeps its prepared text rather than failing.
+    text = tokenizer.decode(tokenizer.encode(text.strip())).strip() or text
+    text, frames_after_eos = prepare_text(text, options)
+    return tokenizer.encode(text), frames_after_eos
+
+
 def _ensure_terminal_punctuation(text: str) -> str:
     """End with . ! ? or …, as the training sentences do (else the last word suffers)."""
     core = text.rstrip(_CLOSERS + " ")

@@ -16,7 +16,7 @@ import torch
 
 from intone.engine.audio import end_on_pause, read_audio, resample
 from intone.engine.loading import fetch
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,7 @@ def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_
 def _prefill_voice(model: PocketTTS, name: str, embeddings: torch.Tensor) -> Voice:
     flow_lm = model.flow_lm
     length = embeddings.shape[0]
-    pool = KVPool(
-        flow_lm.num_layers,
-        length,
-        flow_lm.transformer.num_heads,
-        flow_lm.transformer.head_dim,
-        dtype=flow_lm.transformer.dtype,
-        device=model.device,
-    )
+    pool = flow_lm.new_kv_pool(length)
     positions, attention = plan_step(pool, [SequenceStep(torch.arange(length), length)])
     flow_lm.backbone(embeddings, positions, attention)
     return Voice(name, pool.keys, pool.values)
@@ -89,11 +82,11 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
             length = tensors[f"{prefix}/current_end"].shape[0]
         else:
             length = cache.shape[2]
-        expected = (flow_lm.transformer.num_heads, flow_lm.transformer.head_dim)
+        expected = (flow_lm.transformer.num_kv_heads, flow_lm.transformer.head_dim)
         if cache.dim() != 5 or tuple(cache.shape[3:]) != expected or length == 0:
             raise ValueError(
                 f"voice state {path} does not fit this model: cache {tuple(cache.shape)}, "
-                f"length {length}, model heads/head_dim {expected}"
+                f"length {length}, model kv heads/head_dim {expected}"
             )
         keys.append(cache[0, 0, :length])
         values.append(cache[1, 0, :length])

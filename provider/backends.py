@@ -281,7 +281,9 @@ class RemoteBackend:
             with self._lock:
                 client = self._clients.get(loop)
             if client is None:
-                client = IntoneClient(self.base_url, open_timeout=self.open_timeout)
+                # reconnect: a dropped connection (a restarted server, a dead Ray Serve
+                # replica) restarts the turns that had no audio yet on a new one.
+                client = IntoneClient(self.base_url, open_timeout=self.open_timeout, reconnect=True)
                 await client.connect()
                 with self._lock:
                     self._clients[loop] = client
@@ -300,7 +302,7 @@ class RemoteBackend:
     async def open_stream(
         self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
     ) -> RemoteSpeech:
-        from intone.provider.client import IntoneConnectionError
+        from intone.provider.client import IntoneConnectionError, IntoneError
 
         for attempt in range(2):
             client = await self._client()
@@ -308,8 +310,11 @@ class RemoteBackend:
                 stream = await client.stream(
                     voice=voice, sample_rate=sample_rate, format="pcm_f32le", options=settings
                 )
-            except IntoneConnectionError:
-                # The server restarted or the connection idled out: one fresh connection.
+            except IntoneError as e:
+                # The server restarted, the connection idled out, or this server (replica) is
+                # draining: one fresh connection, which a load balancer sends elsewhere.
+                if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
+                    raise
                 self._forget(client)
                 if attempt:
                     raise

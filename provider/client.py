@@ -23,8 +23,11 @@ Usage::
 
 API summary:
 
-* `IntoneClient(url, *, open_timeout=10.0)`: `await connect()` / `await close()` or
-  `async with`. `hello` is the server's greeting (model sample rate, voices, limits).
+* `IntoneClient(url, *, api_key=None, open_timeout=10.0)`: `await connect()` / `await close()`
+  or `async with`. `api_key` (default: the `INTONE_API_KEY` environment variable) is sent as
+  `Authorization: Bearer`; a server that refuses it raises `IntoneError` with code
+  "unauthorized" from `connect()`. `hello` is the server's greeting (`protocol.HelloEvent`:
+  model, version, sample rate, voices, limits).
   `await stream(voice=None, sample_rate=None, format="pcm_s16le", options=None, text=None,
   end=False)` starts a stream and returns once the server has accepted it (raises `IntoneError`
   with `.code`, e.g. "unknown_voice", if not). `await synthesize(text, ...) -> bytes`.
@@ -39,6 +42,12 @@ API summary:
   `sample_rate`, `format`, `request_id`, `voice` are set from the server's `started` event.
 * Errors: `IntoneError(code, message, stream)`; `IntoneConnectionError` when the connection
   drops (every open stream raises it).
+* `reconnect=True` (what the LiveKit and Pipecat remote modes use): when the connection drops,
+  or the server's drain cancels a stream, the client connects again and restarts every stream
+  that has had no audio yet on the new connection, replaying its text (a turn is never
+  repeated once it has been heard); streams that had audio end with `IntoneConnectionError`
+  at once. Behind a load balancer (Ray Serve) the new connection lands on a live replica.
+  `reconnects` counts the new connections, `response_headers` are the last handshake's.
 
 The wire protocol is documented in docs/protocol.md.
 """
@@ -49,6 +58,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -93,6 +103,8 @@ def ws_url(url: str) -> str:
 
 
 _END = object()  # queue sentinel: the stream is over (see ClientStream._final)
+RECONNECT_ATTEMPTS = 3
+RETRY_CLOSE_WAIT = 5.0  # s a drain-cancelled stream waits for the close that lets it retry
 
 
 class ClientStream:
@@ -105,6 +117,7 @@ class ClientStream:
         self.channel: int | None = None
         self.request_id: str | None = None
         self.voice: str | None = None
+        self.model: str | None = None  # the served model's name
         self.sample_rate: int | None = None
         self.metrics: dict[str, Any] | None = None
         self.clauses: list[protocol.ClauseDoneEvent] = []
@@ -121,6 +134,16 @@ class ClientStream:
         self._final: asyncio.Future = loop.create_future()
         self._cancel_requested = False
         self._input_ended = False
+        # Messages that start this stream again on a new connection (start, text, flush, end),
+        # kept until its first audio: a turn is only retried before anyone has heard it.
+        self._replay: list[protocol.Message] | None = []
+        self._replayed = 0  # how many of them the current connection was sent by a replay
+        self._retry_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def retryable(self) -> bool:
+        """No audio yet, not cancelled, not over: it may start again on a new connection."""
+        return self._replay is not None and not self._cancel_requested and not self._final.done()
 
     # ---- input
 
@@ -159,7 +182,14 @@ class ClientStream:
     async def _send(self, message: protocol.Message) -> None:
         if self._final.done() and not isinstance(message, protocol.Cancel):
             raise IntoneError("stream_closed", f"stream {self.id} is over", self.id)
-        await self._client._send(message)
+        if isinstance(message, protocol.Cancel):
+            await self._client._send(message)
+            return
+        index = None
+        if self._replay is not None:
+            index = len(self._replay)
+            self._replay.append(message)
+        await self._client._send(message, self, index)
 
     # ---- output
 
@@ -195,6 +225,7 @@ class ClientStream:
     # ---- called by the client's reader
 
     def _on_audio(self, payload: bytes) -> None:
+        self._replay = None  # heard: never retried from here on
         self.last_audio_at = time.perf_counter()
         self.frames_received += 1
         if self._cancel_requested:
@@ -207,6 +238,7 @@ class ClientStream:
             self.channel = event.channel
             self.request_id = event.request_id
             self.voice = event.voice
+            self.model = event.model
             self.sample_rate = event.sample_rate
             self.format = event.format
             if not self._started.done():
@@ -215,6 +247,12 @@ class ClientStream:
             self.clauses.append(event)
             if not self._cancel_requested:
                 self._queue.put_nowait(event)
+        elif (
+            isinstance(event, protocol.CancelledEvent)
+            and event.reason == "shutdown"
+            and self._retry_later()
+        ):
+            return
         elif protocol.is_terminal(event) or (
             isinstance(event, protocol.ErrorEvent)
             and event.cause == protocol.Start.TYPE
@@ -227,7 +265,23 @@ class ClientStream:
             if not self._cancel_requested:
                 self._queue.put_nowait(event)
 
+    def _retry_later(self) -> bool:
+        """The server's drain cancelled this stream before its first audio: with `reconnect`,
+        it starts again once the server closes the connection (right after a drain); if the
+        close does not come, it ends as cancelled after all."""
+        if not (self._client.reconnect and self.retryable):
+            return False
+        if self._retry_timer is None:
+            event = protocol.CancelledEvent(self.id, "shutdown")
+            self._retry_timer = asyncio.get_running_loop().call_later(
+                RETRY_CLOSE_WAIT, self._finish, event
+            )
+        return True
+
     def _finish(self, event: protocol.Event) -> None:
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
         if self._final.done():
             return
         if isinstance(event, protocol.DoneEvent):
@@ -247,6 +301,9 @@ class ClientStream:
         self._queue.put_nowait(_END)
 
     def _fail(self, error: IntoneError) -> None:
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
         for future in (self._started, self._final):
             if not future.done():
                 future.set_exception(error)
@@ -266,10 +323,23 @@ class ClientStream:
 class IntoneClient:
     """A connection to an intone server carrying any number of concurrent streams."""
 
-    def __init__(self, url: str, *, open_timeout: float = 10.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        open_timeout: float = 10.0,
+        reconnect: bool = False,
+    ):
         self.url = ws_url(url)
+        self.api_key = api_key if api_key is not None else os.environ.get("INTONE_API_KEY")
         self.open_timeout = open_timeout
+        self.reconnect = reconnect
+        self.reconnects = 0
         self.hello: protocol.HelloEvent | None = None
+        self.response_headers: dict[str, str] = {}
+        self._closing = False
+        self._reconnecting: asyncio.Future | None = None
         self.errors: list[protocol.ErrorEvent] = []  # connection-level error events
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
@@ -286,30 +356,43 @@ class IntoneClient:
         await self.close()
 
     async def connect(self) -> None:
+        await self._open()
+        self._reader = asyncio.create_task(self._read(), name="intone-client-reader")
+
+    async def _open(self) -> None:
         # Audio barely compresses and deflate costs latency: no permessage-deflate.
-        self._ws = await connect(
-            self.url, open_timeout=self.open_timeout, compression=None, max_size=2**24
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        ws = await connect(
+            self.url,
+            open_timeout=self.open_timeout,
+            compression=None,
+            max_size=2**24,
+            additional_headers=headers,
         )
         try:
-            raw = await asyncio.wait_for(self._ws.recv(), self.open_timeout)
+            raw = await asyncio.wait_for(ws.recv(), self.open_timeout)
             hello = protocol.parse_event(raw) if isinstance(raw, str) else None
         except ValueError:
             hello = None
         except BaseException:
-            await self._ws.close()
+            await ws.close()
             raise
         if isinstance(hello, protocol.ErrorEvent):  # refused: bad key, origin, limits
-            await self._ws.close()
+            await ws.close()
             raise IntoneError(hello.code, hello.message)
         if not isinstance(hello, protocol.HelloEvent):
-            await self._ws.close()
+            await ws.close()
             raise IntoneError("bad_message", "the server did not start with a hello event")
+        self._ws = ws
         self.hello = hello
-        self._reader = asyncio.create_task(self._read(), name="intone-client-reader")
+        self.response_headers = dict(ws.response.headers) if ws.response is not None else {}
 
     async def close(self) -> None:
+        self._closing = True
         if self._ws is not None:
             await self._ws.close()
+        while self._reconnecting is not None:
+            await asyncio.shield(self._reconnecting)
         if self._reader is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
@@ -333,25 +416,31 @@ class IntoneClient:
         text: str | None = None,
         end: bool = False,
         stream_id: str | None = None,
+        model: str | None = None,
     ) -> ClientStream:
-        """Start a stream; returns once the server accepted it, raises IntoneError if not."""
+        """Start a stream; returns once the server accepted it, raises IntoneError if not.
+
+        `model`: one of the server's models (`hello.models`) by name or alias; None: its default.
+        """
         stream_id = stream_id or f"s{next(self._ids)}"
         if stream_id in self._streams:
             raise ValueError(f"stream id {stream_id!r} is in use on this client")
         stream = ClientStream(self, stream_id, format)
         self._streams[stream_id] = stream
         try:
-            await self._send(
-                protocol.Start(
-                    stream_id,
-                    voice=voice,
-                    sample_rate=sample_rate,
-                    format=format,
-                    options=dict(options or {}),
-                    text=text,
-                    end=end,
-                )
+            start = protocol.Start(
+                stream_id,
+                voice=voice,
+                sample_rate=sample_rate,
+                format=format,
+                options=dict(options or {}),
+                text=text,
+                end=end,
+                model=model,
             )
+            assert stream._replay is not None
+            stream._replay.append(start)
+            await self._send(start, stream, 0)
             await asyncio.shield(stream._started)
         except BaseException:
             self._forget(stream)
@@ -365,9 +454,12 @@ class IntoneClient:
         sample_rate: int | None = None,
         format: str = DEFAULT_FORMAT,
         options: dict[str, Any] | None = None,
+        model: str | None = None,
     ) -> bytes:
         """All the audio of `text` as PCM bytes."""
-        stream = await self.stream(voice, sample_rate, format, options, text=text, end=True)
+        stream = await self.stream(
+            voice, sample_rate, format, options, text=text, end=True, model=model
+        )
         try:
             return b"".join([pcm async for pcm in stream])
         except BaseException:
@@ -376,12 +468,24 @@ class IntoneClient:
 
     # ---- internals
 
-    async def _send(self, message: protocol.Message) -> None:
+    async def _send(
+        self,
+        message: protocol.Message,
+        stream: ClientStream | None = None,
+        index: int | None = None,
+    ) -> None:
+        """Send; `index`: the message's place in the stream's replay, if recorded there."""
+        while self._reconnecting is not None:
+            await asyncio.shield(self._reconnecting)
+            if stream is not None and index is not None and index < stream._replayed:
+                return  # the replay sent it on the new connection
         if self._closed_error is not None or self._ws is None:
             raise self._closed_error or IntoneConnectionError("not connected")
         try:
             await self._ws.send(protocol.encode_message(message))
         except ConnectionClosed as e:
+            if self.reconnect and index is not None and stream is not None and stream.retryable:
+                return  # the reader sees the close and replays the stream on a new connection
             raise IntoneConnectionError(f"connection closed: {e}") from e
 
     async def _read(self) -> None:
@@ -395,11 +499,85 @@ class IntoneClient:
                     self._on_text(message)
         except ConnectionClosed as e:
             reason = f"the connection closed: {e}"
+            if e.rcvd is None:  # e.g. a Ray Serve replica died: its proxy drops the socket
+                reason += " (the server went away without closing the connection)"
         except Exception:  # a bug here must not leave streams hanging
             logger.exception("client reader failed")
             reason = "the client's reader failed"
+        except BaseException:  # cancelled, or the loop is going away: no reconnecting
+            self._closing = True
+            raise
         finally:
+            self._connection_lost(reason)
+
+    def _connection_lost(self, reason: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the reader was collected with its (closed) loop
+            loop = None
+        if not self.reconnect or self._closing or loop is None:
             self._fail_all(reason)
+            return
+        retry = 0
+        for stream in list(self._streams.values()):
+            if stream.retryable:
+                stream._replayed = 0
+                retry += 1
+            else:
+                stream._fail(IntoneConnectionError(reason, stream.id))
+                self._forget(stream)
+        self._channels.clear()
+        logger.warning("%s; reconnecting (%d stream(s) to restart)", reason, retry)
+        self._reconnecting = loop.create_future()
+        loop.create_task(self._reconnect(reason, self._reconnecting))
+
+    async def _reconnect(self, reason: str, done: asyncio.Future) -> None:
+        """A new connection, then every stream without audio started again from its replay
+        (streams started meanwhile too: their start waits in their replay)."""
+        try:
+            error: BaseException | None = None
+            for attempt in range(RECONNECT_ATTEMPTS):
+                if self._closing:
+                    break
+                try:
+                    await self._open()
+                    error = None
+                    break
+                except Exception as e:  # refused, 503 from a full proxy queue, timeout
+                    error = e
+                    await asyncio.sleep(0.25 * 2**attempt)
+            if error is not None or self._closing:
+                self._fail_all(f"{reason}; reconnecting failed: {error or 'client closed'}")
+                return
+            self.reconnects += 1
+            self._reader = asyncio.create_task(self._read(), name="intone-client-reader")
+            assert self._ws is not None
+            replayed: set[str] = set()
+            while todo := [
+                s for s in self._streams.values() if s.retryable and s.id not in replayed
+            ]:
+                for stream in todo:
+                    replayed.add(stream.id)
+                    messages = stream._replay or []
+                    # Messages pushed while this runs join the list and go out here too.
+                    while stream._replayed < len(messages):
+                        await self._ws.send(protocol.encode_message(messages[stream._replayed]))
+                        stream._replayed += 1
+                    if stream._retry_timer is not None:
+                        stream._retry_timer.cancel()
+                        stream._retry_timer = None
+                    logger.info("stream %s restarted on a new connection", stream.id)
+            for stream in list(self._streams.values()):
+                if stream._cancel_requested and stream.id not in replayed:
+                    # Cancelled while the connection was down: nothing to tell the server.
+                    stream._finish(protocol.CancelledEvent(stream.id, "client"))
+                    self._forget(stream)
+        except ConnectionClosed:
+            pass  # the new connection's reader sees it and starts over
+        finally:
+            if self._reconnecting is done:
+                self._reconnecting = None
+            done.set_result(None)
 
     def _on_binary(self, frame: bytes) -> None:
         try:

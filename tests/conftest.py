@@ -29,3 +29,13 @@ def tiny_model(tiny_checkpoint: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_voice(tiny_model: LoadedModel, tiny_checkpoint: Path) -> Voice:
     return load_voice(tiny_model.model, "default", tiny_checkpoint / "voices" / "default.wav")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`ray` tests start a local Ray cluster: opt-in, with `-m ray` (or any -m naming it)."""
+    if "ray" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="opt-in: run with -m ray")
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(skip)

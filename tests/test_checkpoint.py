@@ -35,6 +35,7 @@ def test_layout(tiny: Path) -> None:
     settings = yaml.safe_load((tiny / "intone.yaml").read_text())
     assert settings == {
         "preset": "tiny",
+        "language": "english",
         "seed": 0,
         "default_voice": "default",
         "voices": {"default": "voices/default.wav"},

@@ -1,4 +1,6 @@
-"""The engine's fast path (bench/common.py: fast_engine_options, bf16) against float32.
+"""The engine's reduced-precision paths against float32: the default (`dtype="auto"`, the fastest
+configuration for this CPU, engine/precision.py) and `dtype="bfloat16"`
+(bench/common.py: fast_engine_options).
 
 Reduced precision can't hold the float32 equivalence tolerance (1e-4 relative, test_oracle.py),
 so the fast path has its own, against the float32 single-request path on the same request
@@ -8,7 +10,8 @@ so the fast path has its own, against the float32 single-request path on the sam
 - per-frame log-spectral distance (1920-sample frames, Hann window, dB): mean <= 0.5, max <= 1.5
 
 Measured on the generated checkpoints (random weights), bf16 engine vs fp32 single path:
-tiny ~2e-5 relative RMS and <= 0.05 dB per frame; full size ~2e-4 and <= 0.3 dB.
+tiny ~2e-5 relative RMS and <= 0.05 dB per frame; full size ~2e-4 and <= 0.3 dB. The int8 decoder
+transformer alone (the default on CPUs without native bf16): tiny ~1e-5, full ~5e-5 and <= 0.05 dB.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.precision import resolve_precision
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
 
@@ -60,15 +64,24 @@ def fast_options() -> dict:
     return options
 
 
-async def compare(checkpoint: Path, loaded: LoadedModel, voice: Voice, temperature: float):
+def config_options(config: str) -> dict:
+    return {} if config == "default" else fast_options()
+
+
+async def compare(
+    checkpoint: Path, loaded: LoadedModel, voice: Voice, temperature: float, config: str
+):
     options = GenerationOptions(temperature=temperature, eos_threshold=1e9, seed=7)
     clauses = split_clauses(loaded.tokenizer, TEXT)
     assert len(clauses) == 2  # clause chaining is part of what is compared
     ref = torch.cat(list(generate(loaded, voice, clauses, dataclasses.replace(options)))).numpy()
     threads = torch.get_num_threads()  # the fast options may set torch's process-wide count
-    engine = Engine(load_model(checkpoint), EngineConfig(**fast_options())).start()
+    engine = Engine(load_model(checkpoint), EngineConfig(**config_options(config))).start()
     try:
-        assert engine.model.flow_lm.transformer.dtype != torch.float32
+        precision = resolve_precision(engine.config.dtype, engine.config.device)
+        assert precision != resolve_precision("float32", "cpu"), "nothing in reduced precision"
+        assert engine.model.flow_lm.transformer.dtype == precision.flow_lm
+        assert engine.runner.decoder.int8 == precision.decoder_int8
         ours = await engine.synthesize(TEXT, options=dataclasses.replace(options))
     finally:
         engine.close()
@@ -82,18 +95,32 @@ async def compare(checkpoint: Path, loaded: LoadedModel, voice: Voice, temperatu
     assert lsd.max() <= LSD_FRAME_MAX_DB, f"worst frame {lsd.max():.3f} dB at {lsd.argmax()}"
 
 
+@pytest.mark.parametrize("config", ["default", "bfloat16"])
 @pytest.mark.parametrize("temperature", [0.0, 0.3])
 async def test_fast_path_within_tolerance_tiny(
-    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice, temperature: float
+    tiny_checkpoint: Path,
+    tiny_model: LoadedModel,
+    tiny_voice: Voice,
+    temperature: float,
+    config: str,
 ):
-    await compare(tiny_checkpoint, tiny_model, tiny_voice, temperature)
+    await compare(tiny_checkpoint, tiny_model, tiny_voice, temperature, config)
 
 
 @pytest.mark.full
-async def test_fast_path_within_tolerance_full(full_checkpoint: Path):
+@pytest.mark.parametrize("config", ["default", "bfloat16"])
+async def test_fast_path_within_tolerance_full(full_checkpoint: Path, config: str):
     loaded = load_model(full_checkpoint)
     voice = load_voice(loaded.model, "default", full_checkpoint / "voices" / "default.wav")
-    await compare(full_checkpoint, loaded, voice, 0.3)
+    await compare(full_checkpoint, loaded, voice, 0.3, config)
+
+
+def test_float32_is_one_option_away():
+    exact = resolve_precision("float32", "cpu")
+    assert exact.flow_lm == torch.float32 and not exact.decoder_int8
+    assert EngineConfig().dtype == "auto"
+    with pytest.raises(ValueError):
+        EngineConfig(dtype="float16").validate()
 
 
 def test_log_spectral_distance_sees_a_difference():

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from intone.engine.loading import LoadedModel
+from intone.engine.decoder_states import DecoderStatePool
+from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.conv import State
+from intone.engine.models.pocket.gemm_decoder import GemmDecoder
 
 
 def select_rows(state: State, rows: list[int]) -> State:
@@ -44,3 +47,69 @@ def test_rows_with_different_histories_equal_rows_alone(tiny_model: LoadedModel)
         for name, tensor in state.items():
             torch.testing.assert_close(batch_state[name][row : row + 1], tensor)
     assert select_rows(batch_state, [1])["transformer.offset"].item() == 2 * mimi.steps_per_frame
+
+
+def decode_in_calls(decoder, latents: torch.Tensor, frames_per_call: list[int]) -> torch.Tensor:
+    state = decoder.init_decoder_state(latents.shape[0])
+    audio, start = [], 0
+    for frames in frames_per_call:
+        audio.append(decoder.decode(latents[:, start : start + frames], state))
+        start += frames
+    return torch.cat(audio, dim=-1)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "full"])
+@torch.no_grad()
+def test_gemm_decoder_equals_mimi(checkpoint: str, tiny_model: LoadedModel, request):
+    """The engine's CPU decoder computes Mimi.decode: calls of 1 to 6 frames (past its 4-frame
+    ring), 20 frames in all (past the transformer's 250-step window)."""
+    if checkpoint == "full":
+        model = load_model(request.getfixturevalue("full_checkpoint")).model
+    else:
+        model = tiny_model.model
+    mimi = model.mimi
+    latents = torch.randn(2, 20, mimi.quantizer.output_proj.in_channels)
+    calls = [1, 2, 6, 4, 3, 1, 3]
+    want = decode_in_calls(mimi, latents, calls)
+    got = decode_in_calls(GemmDecoder(mimi), latents, calls)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@torch.no_grad()
+def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int8: bool):
+    """Rows gathered from a state pool at different points decode as they would alone.
+
+    int8 quantizes each call's activations with one scale for the batch, so there a row's
+    rounding depends on its batch-mates: its audio is equal within the fast path's order of
+    error instead, and its transformer keys (raw int8 products) are not compared.
+    """
+    mimi = tiny_model.model.mimi
+    decoder = GemmDecoder(mimi, int8=int8)
+    assert decoder.int8 == int8
+    rtol = 1e-3 if int8 else 1e-5
+    pool = DecoderStatePool(decoder, 4, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    slots = [pool.acquire() for _ in range(3)]
+    for slot, frames in zip(slots, (3, 0, 20), strict=True):
+        index = torch.tensor([slot])
+        for _ in range(frames):
+            state = pool.gather(index)
+            decoder.decode(torch.randn(1, 1, 32, generator=gen), state)
+            pool.scatter(index, state)
+    alone = {slot: pool.gather(torch.tensor([slot])) for slot in slots}
+    index = torch.tensor(slots[::-1])
+    batch_state = pool.gather(index)
+    latents = torch.randn(3, 2, 32, generator=gen)
+    batched = decoder.decode(latents, batch_state)
+    pool.scatter(index, batch_state)
+    for row, slot in enumerate(slots[::-1]):
+        single = decoder.decode(latents[row : row + 1], alone[slot])
+        atol = rtol * single.abs().max().item()
+        torch.testing.assert_close(batched[row : row + 1], single, rtol=rtol, atol=atol)
+        after = pool.gather(torch.tensor([slot]))
+        for name, tensor in alone[slot].items():
+            if int8 and name.startswith("transformer."):
+                continue
+            scale = rtol * max(1.0, tensor.abs().max().item()) if tensor.numel() else 0.0
+            torch.testing.assert_close(after[name], tensor, rtol=rtol, atol=scale)

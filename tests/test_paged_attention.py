@@ -14,19 +14,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.loading import LoadedModel
+from intone.engine.loading import LoadedModel, load_model
 from intone.engine.model_runner import ModelRunner
 from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
-from intone.engine.voices import Voice
+from intone.engine.voices import Voice, load_voice
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def new_pool(flow_lm, num_slots: int) -> KVPool:
     tf = flow_lm.transformer
-    return KVPool(flow_lm.num_layers, num_slots, tf.num_heads, tf.head_dim)
+    return KVPool(flow_lm.num_layers, num_slots, tf.num_kv_heads, tf.head_dim)
 
 
 def embeddings(n: int, dim: int, seed: int) -> torch.Tensor:
@@ -287,3 +288,146 @@ def test_shared_voice_prefix_and_private_copy_page(
         blocks.release(request.table)
     assert blocks.pages_in_use == len(voice_table.pages)
     assert all(blocks.ref_counts[p] == 1 for p in voice_table.pages)
+
+
+# ---- the attention read path against the previous implementation
+
+
+class PaddedGatherAttention:
+    """The previous read path, kept as the reference: every layer gathers each row's context
+    into a padded [G, L, H, D] copy and runs SDPA under a dense mask (block-diagonal over the
+    whole packed pass for prefill). KV heads are repeated for grouped-query attention."""
+
+    def __init__(self, pool: KVPool, steps: list[SequenceStep], key_multiple: int = 1):
+        self.pool = pool
+        lengths = [len(s.slots) for s in steps]
+        pairs = zip(steps, lengths, strict=True)
+        positions = torch.cat([torch.arange(n - s.num_new, n) for s, n in pairs])
+        self.write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps])
+        if all(s.num_new == 1 for s in steps):
+            longest = -(-max(lengths) // key_multiple) * key_multiple
+            self.read_slots = torch.zeros(len(steps), longest, dtype=torch.long)
+            for row, s in enumerate(steps):
+                self.read_slots[row, : len(s.slots)] = s.slots
+            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+            self.mask = mask[:, None, None, :]
+        else:
+            self.read_slots = torch.cat([s.slots for s in steps])[None, :]
+            key_seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+            key_pos = torch.cat([torch.arange(n) for n in lengths])
+            query_seq = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(steps)])
+            mask = (query_seq[:, None] == key_seq[None, :]) & (
+                key_pos[None, :] <= positions[:, None]
+            )
+            self.mask = mask[None, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys.index_copy_(0, self.write_slots, k)
+        values.index_copy_(0, self.write_slots, v)
+        groups = self.read_slots.shape[0]
+        n, heads, dim = q.shape
+        repeat = heads // keys.shape[1]
+        q = q.view(groups, n // groups, heads, dim).transpose(1, 2)
+        k_ctx = keys[self.read_slots].repeat_interleave(repeat, dim=2).transpose(1, 2)
+        v_ctx = values[self.read_slots].repeat_interleave(repeat, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=self.mask)
+        return out.transpose(1, 2).reshape(n, heads, dim)
+
+
+def clone_pool(pool: KVPool) -> KVPool:
+    copy = KVPool.__new__(KVPool)
+    copy.keys, copy.values = pool.keys.clone(), pool.values.clone()
+    return copy
+
+
+def assert_relative(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
+    error = float((got - want).norm() / want.norm())
+    assert error <= rtol, f"relative error {error:.2e}"
+
+
+@torch.no_grad()
+def check_step(
+    flow_lm, pool: KVPool, steps: list[SequenceStep], x: torch.Tensor, key_multiple: int = 1
+) -> None:
+    """The backbone through plan_step equals it through the previous path, and both write the
+    same keys and values; the pool then holds the step (as the engine's would)."""
+    old_pool = clone_pool(pool)
+    positions, attention = plan_step(pool, steps, key_multiple)
+    got = flow_lm.backbone(x, positions, attention)
+    want = flow_lm.backbone(x, positions, PaddedGatherAttention(old_pool, steps, key_multiple))
+    assert_relative(got, want)
+    assert_relative(pool.keys, old_pool.keys)
+    assert_relative(pool.values, old_pool.values)
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny", "full"])
+def test_attention_equals_previous_path(
+    checkpoint: str, tiny_model: LoadedModel, tiny_voice: Voice, request
+) -> None:
+    """Shared voice pages with a private copy of the partial last page, packed prefill of mixed
+    lengths, then decode steps of changing membership, exact and page-rounded (bucket) keys."""
+    if checkpoint == "full":
+        full = request.getfixturevalue("full_checkpoint")
+        model = load_model(full).model
+        voice = load_voice(model, "default", full / "voices" / "default.wav")
+    else:
+        model, voice = tiny_model.model, tiny_voice
+    flow_lm = model.flow_lm
+    page_size = 8
+    blocks = BlockManager(160, page_size)
+    random.Random(7).shuffle(blocks.free_pages)
+    runner = ModelRunner(model, blocks, 2, 1, torch.device("cpu"))
+    voice_table = runner.add_voice(voice)
+    lengths = [3, 17, 8, 1] if checkpoint == "tiny" else [5, 12]
+    decode_steps = 5
+    tables = []
+    for n in lengths:
+        table, partial = blocks.share(voice_table)
+        assert blocks.reserve(
+            table, voice.length + n + decode_steps, copy_partial=partial is not None
+        )
+        if partial is not None:
+            runner.copy_page(partial, table.pages[-1], voice.length % page_size)
+        tables.append(table)
+    steps = []
+    for table, n in zip(tables, lengths, strict=True):
+        blocks.extend(table, n)
+        steps.append(SequenceStep(blocks.slots(table), n))
+    x = embeddings(sum(lengths), flow_lm.dim, seed=500)
+    check_step(flow_lm, runner.pool, steps, x)
+    for t in range(decode_steps):
+        members = [i for i in range(len(tables)) if not (i == 1 and t % 2)]
+        steps = []
+        for i in members:
+            blocks.extend(tables[i], 1)
+            steps.append(SequenceStep(blocks.slots(tables[i]), 1))
+        x = embeddings(len(members), flow_lm.dim, seed=600 + t)
+        check_step(flow_lm, runner.pool, steps, x, key_multiple=page_size if t % 2 else 1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+@torch.no_grad()
+def test_grouped_query_attention_equals_repeated_kv_heads(kv_heads: int) -> None:
+    """KV with fewer heads than the queries: each group of query heads reads one KV head."""
+    heads, dim, layers = 8, 16, 2
+    gen = torch.Generator().manual_seed(kv_heads)
+    pool = KVPool(layers, 96, kv_heads, dim)
+    pool.keys.normal_(generator=gen)
+    pool.values.normal_(generator=gen)
+    order = torch.randperm(96, generator=gen)
+    lengths, new = [9, 30, 2], [4, 11, 2]
+    sequences = [order[start : start + n] for start, n in zip([0, 30, 70], lengths, strict=True)]
+    for num_new in (new, [1, 1, 1]):
+        steps = [SequenceStep(s, n) for s, n in zip(sequences, num_new, strict=True)]
+        total = sum(num_new)
+        for layer in range(layers):
+            q = torch.randn(total, heads, dim, generator=gen)
+            k, v = torch.randn(2, total, kv_heads, dim, generator=gen)
+            old_pool = clone_pool(pool)
+            _, attention = plan_step(pool, steps, key_multiple=4)
+            got = attention.attend(layer, q, k, v)
+            want = PaddedGatherAttention(old_pool, steps, key_multiple=4).attend(layer, q, k, v)
+            assert got.shape == (total, heads, dim)
+            assert_relative(got, want)
+            assert torch.equal(pool.keys, old_pool.keys)

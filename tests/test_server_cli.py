@@ -36,6 +36,40 @@ def test_serve_options():
     assert options.engine_config.max_active == 4 and options.engine_config.kv_memory_mb == 64
 
 
+def test_serve_access_and_limit_options(monkeypatch):
+    monkeypatch.setenv("INTONE_API_KEYS", "env-1, env-2")
+    args = build_parser().parse_args(
+        [
+            "serve", "--api-key", "flag-1", "--allowed-origins", "https://a.example,https://b.example",
+            "--allowed-hosts", "tts.example", "--public-metrics", "--max-connections", "7",
+            "--max-streams-per-client", "3", "--max-chars-per-minute", "900",
+            "--max-request-bytes", "1000", "--header-timeout", "2", "--body-timeout", "3",
+            "--ws-idle-timeout", "4", "--max-stream-seconds", "5", "--max-buffered-audio", "6",
+            "--slow-client-timeout", "8", "--max-text-chars", "500",
+        ]
+    )  # fmt: skip
+    options = options_from_args(args)
+    assert options.engine_config.max_text_chars == 500
+    settings = options.settings
+    settings.validate()
+    assert settings.api_keys == ("flag-1", "env-1", "env-2")
+    assert settings.allowed_origins == ("https://a.example", "https://b.example")
+    assert settings.allowed_hosts == ("tts.example",) and settings.public_metrics
+    assert (settings.max_connections, settings.max_streams_per_client) == (7, 3)
+    assert (settings.max_chars_per_minute, settings.max_request_bytes) == (900, 1000)
+    assert (settings.header_timeout, settings.body_timeout, settings.ws_idle_timeout) == (2, 3, 4)
+    assert (settings.max_stream_seconds, settings.max_buffered_audio) == (5, 6)
+    assert settings.slow_client_timeout == 8
+
+
+def test_keys_must_be_tokens():
+    from intone.provider.server import ServerSettings
+
+    for key in ("", "has space", 'quote"', "ümlaut"):
+        with pytest.raises(ValueError, match="API keys"):
+            ServerSettings(api_keys=(key,)).validate()
+
+
 @pytest.mark.parametrize("alias", ["alloy", "=alba", "alloy="])
 def test_bad_voice_alias(alias):
     with pytest.raises(ValueError, match="NAME=VOICE"):

@@ -22,6 +22,7 @@ from websockets.asyncio.client import ClientConnection
 from intone.engine import Engine, EngineConfig, load_model
 from intone.provider.server import ServerSettings, create_app
 from intone.provider.server.protocol import unpack_audio
+from intone.provider.server.serve import uvicorn_config
 
 # Small limits so the limit tests are cheap.
 TEST_SETTINGS = dict(max_streams_per_connection=4, max_message_bytes=4096)
@@ -32,18 +33,24 @@ LONG_TEXT = " ".join(
 
 
 class ServerThread:
-    """uvicorn.Server serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+    """uvicorn.Server serving `app` on 127.0.0.1:<free port> in a daemon thread, configured as
+    `intone serve` configures it (for an intone app)."""
 
     def __init__(self, app: Any, lifespan: str = "on"):
         self.app = app
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_config=None,
-            lifespan=lifespan,
-            ws_per_message_deflate=False,
-        )
+        runtime = getattr(getattr(app, "state", None), "intone", None)
+        if runtime is not None:
+            config = uvicorn_config(app, runtime.settings, "127.0.0.1", 0)
+            config.lifespan = lifespan
+        else:
+            config = uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                log_config=None,
+                lifespan=lifespan,
+                ws_per_message_deflate=False,
+            )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="test-uvicorn")

@@ -71,6 +71,7 @@ class ErrorCode(StrEnum):
     STREAM_EXISTS = "stream_exists"
     STREAM_CLOSED = "stream_closed"  # text/flush/end after end, or for a finished stream
     UNKNOWN_VOICE = "unknown_voice"
+    UNKNOWN_MODEL = "unknown_model"  # `model` names none of the served models
     BAD_SAMPLE_RATE = "bad_sample_rate"
     BAD_FORMAT = "bad_format"
     BAD_OPTIONS = "bad_options"
@@ -108,6 +109,7 @@ class CloseCode(IntEnum):
 _ENGINE_ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (engine_errors.InvalidOptionError, ErrorCode.BAD_OPTIONS),
     (engine_errors.UnknownVoiceError, ErrorCode.UNKNOWN_VOICE),
+    (engine_errors.UnknownModelError, ErrorCode.UNKNOWN_MODEL),
     (engine_errors.EmptyTextError, ErrorCode.EMPTY_TEXT),
     (engine_errors.TextTooLongError, ErrorCode.TEXT_TOO_LONG),
     (engine_errors.StreamClosedError, ErrorCode.STREAM_CLOSED),
@@ -179,6 +181,7 @@ class Start:
     options: dict[str, Any] = field(default_factory=dict)  # names from STREAM_OPTIONS
     text: str | None = None  # optional first text, saves a message
     end: bool = False  # with `text`: a one-shot request
+    model: str | None = None  # a served model's name or alias (hello's `models`); None: default
 
     TYPE: ClassVar[str] = "start"
 
@@ -404,7 +407,12 @@ def _parse_start(stream: str, data: dict[str, Any]) -> Start:
     end = data.get("end", False)
     if not isinstance(end, bool):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'end' must be a boolean, got {echo(end)}")
-    return Start(stream, voice, rate, fmt, dict(options), text, end)
+    model = data.get("model")
+    if model is not None:
+        model = check_string(
+            model, "model", ErrorCode.UNKNOWN_MODEL, max_chars=MAX_VOICE_CHARS, printable=True
+        )
+    return Start(stream, voice, rate, fmt, dict(options), text, end, model or None)
 
 
 def encode_message(message: Message) -> str:
@@ -447,6 +455,9 @@ class HelloEvent:
     default_voice: str | None
     weights: str  # "released", "generated" (random weights) or "custom"
     limits: Limits
+    # Every served model: {"name", "aliases", "language", "voices", "default_voice"}; the first
+    # is the default. A `start` picks one with `model`.
+    models: list[dict[str, Any]] = field(default_factory=list)
     options: list[str] = field(default_factory=lambda: list(STREAM_OPTIONS))
     formats: list[str] = field(default_factory=lambda: sorted(SAMPLE_FORMATS))
     header_bytes: int = HEADER_BYTES
@@ -463,6 +474,7 @@ class StartedEvent:
     voice: str  # the registry voice used
     sample_rate: int
     format: str
+    model: str | None = None  # the served model's name
 
     TYPE: ClassVar[str] = "started"
 

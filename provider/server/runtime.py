@@ -1,8 +1,11 @@
-"""What one server process shares: the engine, its voices, the streams in flight, the drain.
+"""What one server process shares: the engines, their voices, the streams in flight, the drain.
 
-The app gets its engine either ready-made (the caller owns it) or from a factory that runs on
-first use. Lazy start matters because a sub-app mounted in a user's FastAPI/Starlette app (and
-some hosts) never sees lifespan events; the lifespan, when it runs, only makes the start eager.
+A server runs one or more models (`intone serve --model english --model fr`), one engine each
+with its own voices; the first is the default, and a request picks another by name or alias
+(`select`). The app gets each engine either ready-made (the caller owns it) or from a factory
+that runs on first use. Lazy start matters because a sub-app mounted in a user's
+FastAPI/Starlette app (and some hosts) never sees lifespan events; the lifespan, when it runs,
+only makes the start eager.
 """
 
 from __future__ import annotations
@@ -11,12 +14,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 
-from intone.engine import Engine
+from intone.engine import Engine, releases
+from intone.engine.errors import UnknownModelError
+from intone.provider.server.access import Access
+from intone.provider.server.limits import Limits
+from intone.provider.server.logs import ClientErrorLog
 from intone.provider.server.metrics import ServerMetrics
+from intone.provider.server.protocol import echo
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
 
@@ -35,24 +44,97 @@ def model_name(source: str) -> str:
     directory (it would tell a stranger how the host is laid out)."""
     if source.startswith("hf://"):
         return source
-    return PurePosixPath(source.replace("\\", "/")).stem or "model"
+    path = PurePosixPath(source.replace("\\", "/"))
+    # A checkpoint directory holds `config.yaml`: its directory's name says which one.
+    name = path.parent.name if path.stem == "config" else path.stem
+    return name or "model"
+
+
+# Model names OpenAI clients send (Pipecat's and LiveKit's OpenAI TTS do): the default model.
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+@dataclass
+class ServedModel:
+    """One model the server runs: its engine (or how to build it), its voices and names."""
+
+    requested: str | None = None  # the --model value; None: the default model
+    engine: Engine | None = None
+    factory: Callable[[], Engine] | None = None
+    voices: VoiceResolver | None = None  # set once ready
+    name: str = ""  # what clients call it; set once ready
+    aliases: list[str] = field(default_factory=list)  # other names that pick it
+    language: str | None = None  # a release's language
+
+    def describe(self) -> dict[str, Any]:
+        assert self.engine is not None and self.voices is not None
+        return {
+            "name": self.name,
+            "aliases": self.aliases,
+            "language": self.language,
+            "weights": self.engine.loaded.weights,
+            "voices": self.voices.known(),
+            "default_voice": self.engine.default_voice,
+        }
+
+
+def _names(model: ServedModel, taken: set[str]) -> None:
+    """A served model's name and aliases: a release by its reference name (plus the --model
+    value, its shortcuts and its language); another checkpoint by its directory or file name."""
+    assert model.engine is not None
+    source = model.engine.loaded.source
+    release = releases.release_name(source)
+    if release is not None:
+        name = release
+        model.language = releases.language_of(release)
+        aliases = [*releases.language_shortcuts(release), model.language]
+        aliases.append(releases.LANGUAGES[model.language])
+    else:
+        name = model_name(source)
+        if not source.startswith("hf://"):
+            # A checkpoint directory is named by the directory, not its config.yaml.
+            path = PurePosixPath(source.replace("\\", "/"))
+            if path.suffix in (".yaml", ".yml"):
+                path = path.parent if path.stem == "config" else path.with_suffix("")
+            name = path.name or name
+        aliases = []
+    if model.requested is not None:
+        aliases.insert(0, model.requested)
+    base, n = name, 2
+    while name in taken:
+        name, n = f"{base}-{n}", n + 1
+    taken.add(name)
+    model.name = name
+    # A language or shortcut served twice picks the first model that has it.
+    model.aliases = [a for a in dict.fromkeys(aliases) if a not in taken]
+    taken.update(model.aliases)
 
 
 class EngineUnavailableError(RuntimeError):
     """The engine could not be built; requests get 503."""
 
 
+WATCHDOG_INTERVAL = 0.5  # seconds between the watchdog's rounds
+
+
 class InFlight(Protocol):
     """A stream the drain can end: WebSocket stream or HTTP response."""
 
     request_id: str
+    started_at: float  # time.perf_counter()
 
     def shutdown(self) -> None:
         """Cancel now and tell the client with a final event."""
 
+    def expire(self) -> None:
+        """The stream outlived the maximum lifetime: end it with a final error."""
+
 
 class Closable(Protocol):
     async def close(self, code: int, reason: str) -> None: ...
+
+    def watch(self, now: float) -> None:
+        """Enforce the connection's timeouts (idle, slow client); called every round."""
 
 
 class Runtime:
@@ -63,14 +145,19 @@ class Runtime:
         engine_factory: Callable[[], Engine] | None = None,
         voices_dir: str | Path | None = None,
         settings: ServerSettings | None = None,
+        models: list[ServedModel] | None = None,
     ):
-        if engine is None and engine_factory is None:
-            raise ValueError("pass an engine or an engine_factory")
+        if models is None:
+            if engine is None and engine_factory is None:
+                raise ValueError("pass an engine, an engine_factory or models")
+            models = [ServedModel(engine=engine, factory=None if engine else engine_factory)]
+        elif engine is not None or engine_factory is not None:
+            raise ValueError("pass either models or an engine/engine_factory")
+        if not models or any(m.engine is None and m.factory is None for m in models):
+            raise ValueError("every served model needs an engine or a factory")
         self.settings = settings or ServerSettings()
         self.settings.validate()
-        self._engine = engine
-        self.owns_engine = engine is None
-        self._factory = engine_factory
+        self.models = models
         self._voices_dir = Path(voices_dir) if voices_dir is not None else None
         self._lock: asyncio.Lock | None = None
         self._failure: Exception | None = None
@@ -80,19 +167,62 @@ class Runtime:
         self.draining = False
         self.closed = False
         self.version = server_version()
+        self.access = Access(
+            self.settings.api_keys, self.settings.allowed_origins, self.settings.allowed_hosts
+        )
+        self.limits = Limits(self.settings)
+        self.client_errors = ClientErrorLog()
+        self._watchdog: asyncio.Task | None = None
         self.metrics = ServerMetrics(lambda: len(self.connections), lambda: len(self.streams))
 
     # ---- engine
 
     @property
     def engine(self) -> Engine | None:
-        """The engine once ready(), else None."""
-        return self._engine if self.voices is not None else None
+        """The default model's engine once ready(), else None."""
+        return self.models[0].engine if self.voices is not None else None
+
+    @property
+    def owns_engine(self) -> bool:
+        """Whether the default model's engine is this runtime's to close (it built it)."""
+        return self.models[0].factory is not None
+
+    @property
+    def engines(self) -> list[Engine]:
+        """Every served model's engine once ready(), else none."""
+        if self.voices is None:
+            return []
+        return [m.engine for m in self.models if m.engine is not None]
+
+    def select(self, model: str | None) -> ServedModel:
+        """The served model a request names (name or alias; None, "" or an OpenAI model name:
+        the default). Raises UnknownModelError naming the served ones. Only once ready().
+
+        A server of one model also takes a name that means no model intone knows (OpenAI
+        clients send ids of their own), as it did before it served several; a release name or
+        language it does not serve is refused, never spoken by another model.
+        """
+        if model is None or model == "" or model in OPENAI_MODELS:
+            return self.models[0]
+        for served in self.models:
+            if model == served.name or model in served.aliases:
+                return served
+        known_model = releases.release_name(model) is not None or model in releases.LANGUAGES
+        if len(self.models) == 1 and not known_model:
+            return self.models[0]
+        served_names = ", ".join(
+            f"{m.name} ({', '.join(m.aliases)})" if m.aliases else m.name for m in self.models
+        )
+        raise UnknownModelError(
+            f"this server does not serve model {echo(model)}; it serves: {served_names}"
+        )
 
     async def ready(self) -> Engine:
-        """The started engine with its voices; built on first call."""
-        if self.voices is not None and self._engine is not None:
-            return self._engine
+        """The default model's started engine; every model is built (with its voices) on the
+        first call."""
+        if self.voices is not None:
+            assert self.models[0].engine is not None
+            return self.models[0].engine
         if self._failure is not None:
             raise EngineUnavailableError(str(self._failure)) from self._failure
         if self._lock is None:
@@ -109,29 +239,75 @@ class Runtime:
                         logger.exception("the engine could not be started")
                     self._failure = e
                     raise EngineUnavailableError(str(e)) from e
-        assert self._engine is not None
-        return self._engine
+        engine = self.models[0].engine
+        assert engine is not None
+        if self._watchdog is None and not self.closed:
+            self._watchdog = asyncio.create_task(self._watch(), name="intone-watchdog")
+        return engine
+
+    async def _watch(self) -> None:
+        """Timeouts that no event triggers: stream lifetimes, idle and slow connections."""
+        rounds = 0
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            now = time.perf_counter()
+            try:
+                limit = self.settings.max_stream_seconds
+                for stream in list(self.streams):
+                    if now - stream.started_at > limit:
+                        stream.expire()
+                for connection in list(self.connections):
+                    connection.watch(now)
+                rounds += 1
+                if rounds % 60 == 0:
+                    self.limits.prune()
+            except Exception:  # a bug here must not end the watchdog
+                logger.exception("watchdog round failed")
+
+    def log_client_error(self, log: logging.LoggerAdapter, message: str, **fields: object) -> None:
+        """Log a client's mistake at INFO, within the client-error budget."""
+        dropped = self.client_errors.allow()
+        if dropped is None:
+            return
+        if dropped:
+            fields["suppressed"] = dropped  # similar lines dropped since the last one
+        log.info("%s", message, extra=fields)
 
     async def _prepare(self) -> None:
-        if self._engine is None:
-            assert self._factory is not None
+        taken: set[str] = set()
+        for index, served in enumerate(self.models):
+            await self._prepare_model(served, default=index == 0)
+            _names(served, taken)
+        # Marks the runtime ready: the default model's voices.
+        self.voices = self.models[0].voices
+        if len(self.models) > 1:
+            logger.info("serving models %s", [m.name for m in self.models])
+
+    async def _prepare_model(self, served: ServedModel, default: bool) -> None:
+        if served.engine is None:
+            assert served.factory is not None
             started = time.perf_counter()
-            self._engine = await asyncio.to_thread(self._factory)
+            served.engine = await asyncio.to_thread(served.factory)
             logger.info("engine built in %.1f s", time.perf_counter() - started)
-        self._engine.start()
+        engine = served.engine
+        engine.start()
         if self._voices_dir is not None:
-            await asyncio.to_thread(add_voice_dir, self._engine, self._voices_dir)
-        known = set(self._engine.voices) | set(self._engine.loaded.voices)
+            await asyncio.to_thread(add_voice_dir, engine, self._voices_dir)
+        known = set(engine.voices) | set(engine.loaded.voices)
+        # Aliases must name a voice of the default model; other models take those they can.
+        aliases = {}
         for alias, target in self.settings.voice_aliases.items():
-            if target not in known:
+            if target in known:
+                aliases[alias] = target
+            elif default:
                 raise ValueError(f"voice alias {alias}={target}: no voice {target!r}")
-        self.voices = VoiceResolver(self._engine, self.settings.voice_aliases)
-        loaded = self._engine.loaded
+        served.voices = VoiceResolver(engine, aliases)
+        loaded = engine.loaded
         logger.info(
             "serving %s (%s weights), voices %s",
             loaded.source,
             loaded.weights,
-            self._engine.voices,
+            engine.voices,
             extra={"weights": loaded.weights, "source": loaded.source},
         )
 
@@ -182,8 +358,11 @@ class Runtime:
             return
         self.closed = True
         self.draining = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for stream in list(self.streams):
             stream.shutdown()
-        if self.owns_engine and self._engine is not None:
-            await asyncio.to_thread(self._engine.close)
-            logger.info("engine closed")
+        for served in self.models:
+            if served.factory is not None and served.engine is not None:
+                await asyncio.to_thread(served.engine.close)
+                logger.info("engine closed")

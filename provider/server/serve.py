@@ -1,16 +1,25 @@
-"""`intone serve`: build the engine, then run the app under uvicorn with a draining shutdown."""
+"""`intone serve`: build the engine, then run the app under uvicorn with a draining shutdown.
+
+uvicorn has no timeout for a request's headers, so a client could hold a connection open by
+sending them a byte at a time (slowloris): `uvicorn_config` installs an HTTP protocol that
+closes a connection whose request headers are not complete `header_timeout` seconds after it
+opened (or after its previous response).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from intone.engine import Engine, EngineConfig
+from intone.provider.server.access import LOOPBACK_HOSTS, is_loopback
 from intone.provider.server.app import create_app
 from intone.provider.server.logs import configure_logging
 from intone.provider.server.model_source import load_serving_model
@@ -23,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServeOptions:
-    model: str | None = None
+    # One engine per model; the first is the default. None or []: the released default model.
+    model: str | list[str] | None = None
     voices_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -37,28 +47,87 @@ class ServeOptions:
 def serve(options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, drain, release the engine; returns normally (exit status 0)."""
     configure_logging(options.log_level, options.log_json)
-    options.settings.validate()
-    loaded = load_serving_model(options.model, fallback_preset=options.fallback_preset)
-    engine = Engine(loaded, options.engine_config).start()
+    settings = prepare_settings(options)
+    specs: list[str | None] = (
+        list(options.model) if isinstance(options.model, list) else [options.model]
+    ) or [None]
+    engines: list[Engine] = []
     try:
-        app = create_app(engine, voices_dir=options.voices_dir, settings=options.settings)
-        config = uvicorn.Config(
-            app,
-            host=options.host,
-            port=options.port,
-            log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
-            lifespan="on",
-            # Bigger than our own message limit, so an oversized message gets an error event
-            # instead of a closed connection.
-            ws_max_size=max(16 * 2**20, 4 * options.settings.max_message_bytes),
-            ws_per_message_deflate=False,  # PCM barely compresses; deflate only adds latency
-            timeout_graceful_shutdown=5,
-        )
-        server = DrainingServer(config, app.state.intone, options.settings.drain_timeout)
+        for spec in specs:
+            loaded = load_serving_model(spec, fallback_preset=options.fallback_preset)
+            engines.append(Engine(loaded, options.engine_config).start())
+        app = create_app(engines, voices_dir=options.voices_dir, settings=settings)
+        config = uvicorn_config(app, settings, options.host, options.port)
+        server = DrainingServer(config, app.state.intone, settings.drain_timeout)
         asyncio.run(_run(server))
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()
         logger.info("engine released; bye")
+
+
+def prepare_settings(options: ServeOptions) -> ServerSettings:
+    """The settings for serving on `options.host` (also `intone serve --ray`'s proxy): a Host
+    check on loopback, validation, and a loud warning when exposed without keys."""
+    settings = options.settings
+    if is_loopback(options.host) and not settings.allowed_hosts:
+        # DNS rebinding: a page from a public name that resolves to 127.0.0.1 is refused.
+        settings.allowed_hosts = LOOPBACK_HOSTS
+    settings.validate()
+    if not settings.api_keys and not is_loopback(options.host):
+        logger.warning(
+            "!!! serving on %s WITHOUT API KEYS: anyone who can reach this port can use it. "
+            "Set --api-key or INTONE_API_KEYS (docs/server.md, 'Running it on the internet').",
+            options.host,
+        )
+    return settings
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> uvicorn.Config:
+    """How `intone serve` runs the app (the tests run it the same way)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=header_timeout_protocol(settings.header_timeout),
+        log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
+        lifespan="on",
+        # Bigger than our own message limit, so an oversized message gets an error event
+        # instead of a closed connection.
+        ws_max_size=max(16 * 2**20, 4 * settings.max_message_bytes),
+        ws_per_message_deflate=False,  # PCM barely compresses; deflate only adds latency
+        timeout_graceful_shutdown=5,
+    )
+
+
+def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing connections whose headers take over `timeout` s."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:  # no httptools: uvicorn's pure-Python h11 protocol
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
+
+    class HeaderTimeoutProtocol(Base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self.loop.call_later(timeout, self._headers_overdue, self.cycle)
+
+        def _headers_overdue(self, cycle_before: Any) -> None:
+            transport = self.transport
+            if transport.is_closing() or transport.get_protocol() is not self:
+                return  # closed, or upgraded to a WebSocket (which has its own timeouts)
+            if self.cycle is cycle_before:  # no request's headers completed since
+                logger.info("closing a connection: request headers took over %g s", timeout)
+                transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 async def _run(server: DrainingServer) -> None:
@@ -78,8 +147,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         if not sep or not name or not voice:
             raise ValueError(f"--voice-alias expects NAME=VOICE, got {item!r}")
         aliases[name] = voice
+    keys = list(args.api_key) + [
+        key.strip() for key in os.environ.get("INTONE_API_KEYS", "").split(",") if key.strip()
+    ]
+    origins = [o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip()]
+    hosts = [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
     return ServeOptions(
-        model=args.model,
+        # One --model stays a plain value, as before several were allowed.
+        model=args.model[0] if args.model and len(args.model) == 1 else args.model,
         voices_dir=args.voices,
         host=args.host,
         port=args.port,
@@ -91,10 +166,25 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_active=args.max_active,
             max_queued=args.max_queued,
             kv_memory_mb=args.kv_memory_mb,
+            max_text_chars=args.max_text_chars,
         ),
         settings=ServerSettings(
+            api_keys=tuple(keys),
+            allowed_origins=tuple(origins),
+            allowed_hosts=tuple(hosts),
+            public_metrics=args.public_metrics,
+            max_connections=args.max_connections,
+            max_streams_per_client=args.max_streams_per_client,
+            max_chars_per_minute=args.max_chars_per_minute,
             max_message_bytes=args.max_message_bytes,
             max_streams_per_connection=args.max_streams_per_connection,
+            ws_idle_timeout=args.ws_idle_timeout,
+            max_request_bytes=args.max_request_bytes,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            max_stream_seconds=args.max_stream_seconds,
+            max_buffered_audio=args.max_buffered_audio,
+            slow_client_timeout=args.slow_client_timeout,
             voice_aliases=aliases,
             drain_timeout=args.drain_timeout,
         ),

@@ -5,6 +5,13 @@ One reader (client messages, applied to engine streams in order), one pump task 
 stream's audio, its clause events and its final event leave in the order they were queued).
 After a stream is cancelled the writer drops any of its audio still queued, so no audio for it
 follows the `cancelled` event.
+
+Nothing waits on the client without a bound: a stream's pump stops taking audio from the engine
+while `max_buffered_audio` seconds of it wait to be sent (or, with `playback` reports, while it
+is that far ahead of the listener); a send that does not complete within `slow_client_timeout`
+drops the connection (close 4409) and releases its streams; a connection with no stream that
+sends nothing for `ws_idle_timeout` is closed (4408); a stream older than `max_stream_seconds`
+ends with `stream_timeout`. The runtime's watchdog calls `watch()` for the timeouts.
 """
 
 from __future__ import annotations
@@ -23,14 +30,19 @@ from starlette.websockets import WebSocket, WebSocketState
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineError, GenerationOptions
 from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
+from intone.provider.server.access import websocket_key
+from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
 from intone.provider.server.pcm import PcmEncoder
 from intone.provider.server.protocol import CloseCode, ErrorCode, ProtocolError
-from intone.provider.server.runtime import EngineUnavailableError, Runtime, model_name
+from intone.provider.server.runtime import EngineUnavailableError, Runtime
 
 logger = logging.getLogger(__name__)
 
 _CLOSE = object()  # outbox item: close the socket after what is queued before it
+# Events (not audio) a connection may have waiting to be sent; past this the client is not
+# reading them (e.g. it sends bad messages without reading the errors) and is dropped.
+MAX_QUEUED_EVENTS = 1024
 
 
 class WsStream:
@@ -57,6 +69,7 @@ class WsStream:
         self.model_rate = model_rate
         self.request_id = uuid.uuid4().hex[:16]
         self.encoder = PcmEncoder(model_rate, sample_rate, fmt)
+        self.bytes_per_second = sample_rate * protocol.SAMPLE_FORMATS[fmt]
         self.log = bind(connection.log, request_id=self.request_id, stream=stream_id)
         self.started_at = time.perf_counter()
         self.first_text_at: float | None = None
@@ -65,15 +78,28 @@ class WsStream:
         self.bytes_sent = 0
         self.chars = 0
         self.clause_samples = 0
-        self.played_seconds = 0.0  # from the client's `playback` messages
+        self.audio_seconds = 0.0  # handed to the writer so far
+        self.queued_seconds = 0.0  # of that, still waiting in the outbox
+        self.played_seconds: float | None = None  # from the client's `playback` messages
+        self.room = asyncio.Event()  # set whenever the buffer may have room again
         self.input_ended = False
         self.cancelled = False  # no audio for it leaves the writer once set
         self.finished = False
         self.task: asyncio.Task | None = None
 
+    def buffered(self) -> float:
+        """Seconds of audio the client has not taken (or, with playback reports, not heard)."""
+        ahead = self.queued_seconds
+        if self.played_seconds is not None:
+            ahead = max(ahead, self.audio_seconds - self.played_seconds)
+        return ahead
+
     def shutdown(self) -> None:
         """The drain's deadline passed: cancel with a final event."""
         self.connection.cancel_stream(self, reason="shutdown")
+
+    def expire(self) -> None:
+        self.connection.expire_stream(self)
 
 
 class Connection:
@@ -84,37 +110,74 @@ class Connection:
         self.id = uuid.uuid4().hex[:8]
         self.log = bind(logger, connection=self.id)
         self.streams: dict[str, WsStream] = {}
+        self.tenant = _client_host(websocket)
         self._reserved: set[str] = set()  # ids whose start is being processed
         self._recent: deque[str] = deque(maxlen=self.settings.remembered_stream_ids)
         self._recent_set: set[str] = set()
         self._channels = itertools.count(1)
         self._outbox: asyncio.Queue = asyncio.Queue()
+        self._queued_events = 0
         self._closed = asyncio.Event()
+        self._closing = False  # a timeout is closing it: no more watching
+        self._writer: asyncio.Task | None = None
+        self._sending_since: float | None = None  # when the send in progress began
+        self.last_message_at = time.perf_counter()
+        offered = websocket.headers.get("sec-websocket-protocol", "")
+        offered_names = {name.strip() for name in offered.split(",")}
+        # A browser that offers subprotocols needs one selected, or it drops the connection.
+        self.subprotocol = protocol.SUBPROTOCOL if protocol.SUBPROTOCOL in offered_names else None
         self.engine: Engine | None = None
 
     # ---- lifecycle
 
     async def run(self) -> None:
+        runtime, headers = self.runtime, self.websocket.headers
+        access = runtime.access
+        if not access.host_allowed(headers) or not access.origin_allowed(headers):
+            runtime.log_client_error(self.log, "connection refused: origin or host not allowed")
+            await self._refuse(
+                ErrorCode.ORIGIN_NOT_ALLOWED,
+                "this origin (or host name) may not use the server: see --allowed-origins",
+                CloseCode.ORIGIN_NOT_ALLOWED,
+            )
+            return
+        label = access.key_label(websocket_key(headers, self.websocket.scope["query_string"]))
+        if access.keys_required and label is None:
+            runtime.log_client_error(self.log, "connection refused: no valid API key")
+            await self._refuse(
+                ErrorCode.UNAUTHORIZED,
+                "a valid API key is required: Authorization: Bearer KEY, the subprotocol "
+                f"{protocol.KEY_SUBPROTOCOL_PREFIX}KEY, or ?api_key=KEY",
+                CloseCode.UNAUTHORIZED,
+            )
+            return
+        if label is not None:
+            self.tenant = label
+            self.log = bind(self.log, key=label)
+        try:
+            runtime.limits.open_connection()
+        except LimitError as e:
+            runtime.log_client_error(self.log, "connection refused: too many connections")
+            await self._refuse(e.code, e.message, CloseCode.TOO_MANY_CONNECTIONS, e.retry_after)
+            return
+        try:
+            await self._serve()
+        finally:
+            runtime.limits.close_connection()
+
+    async def _serve(self) -> None:
         try:
             self.engine = await self.runtime.ready()
         except EngineUnavailableError as e:
-            await self._refuse(
-                protocol.ErrorEvent(ErrorCode.ENGINE_ERROR, str(e)),
-                CloseCode.INTERNAL_ERROR,
-                "engine unavailable",
-            )
+            await self._refuse(ErrorCode.ENGINE_ERROR, str(e), CloseCode.INTERNAL_ERROR)
             return
         if self.runtime.draining:  # where the listener stays open (mounted, hosted): refuse
-            await self._refuse(
-                protocol.ErrorEvent(ErrorCode.SHUTTING_DOWN, "shutting down"),
-                CloseCode.GOING_AWAY,
-                "server shutting down",
-            )
+            await self._refuse(ErrorCode.SHUTTING_DOWN, "shutting down", CloseCode.GOING_AWAY)
             return
-        await self.websocket.accept()
+        await self.websocket.accept(subprotocol=self.subprotocol)
         self.runtime.add_connection(self)
         self.log.info("connection opened", extra={"client": _client(self.websocket)})
-        writer = asyncio.create_task(self._write(), name=f"intone-ws-writer-{self.id}")
+        self._writer = asyncio.create_task(self._write(), name=f"intone-ws-writer-{self.id}")
         self._send_event(self._hello())
         try:
             await self._read()
@@ -122,11 +185,11 @@ class Connection:
             self._closed.set()
             tasks = [s.task for s in self.streams.values() if s.task is not None]
             for stream in list(self.streams.values()):
-                self._abandon(stream)
+                self._abandon(stream, "client disconnected")
             self._outbox.put_nowait(None)
             with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(writer, 1.0)
-            writer.cancel()
+                await asyncio.wait_for(self._writer, 1.0)
+            self._writer.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=1.0)
             self.runtime.remove_connection(self)
@@ -134,26 +197,67 @@ class Connection:
 
     async def close(self, code: int, reason: str) -> None:
         """Close after everything queued so far has been sent (used by the drain)."""
-        self._outbox.put_nowait((_CLOSE, (code, reason)))
+        self._outbox.put_nowait((_CLOSE, (code, reason), 0.0))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._closed.wait(), 5.0)
 
-    async def _refuse(self, event: protocol.ErrorEvent, code: int, reason: str) -> None:
+    async def _refuse(
+        self, code: ErrorCode, message: str, close: int, retry_after: float | None = None
+    ) -> None:
         """Accept only to say why, then close: browsers see neither a handshake's status nor
         its body, but they do see this event and the close code."""
-        await self.websocket.accept()
+        self.runtime.metrics.error(str(code))
+        await self.websocket.accept(subprotocol=self.subprotocol)
+        event = protocol.ErrorEvent(code, message, retry_after=retry_after)
         await self.websocket.send_text(protocol.encode_event(event))
-        await self.websocket.close(code, reason)
+        await self.websocket.close(close, str(code))
+
+    def watch(self, now: float) -> None:
+        """Called by the runtime's watchdog: drop a client that stopped reading, close a
+        connection idle for too long."""
+        if self._closing:
+            return
+        sending = self._sending_since
+        if sending is not None and now - sending > self.settings.slow_client_timeout:
+            self._drop_slow_client(f"no audio taken for {self.settings.slow_client_timeout:g} s")
+        elif not self.streams and now - self.last_message_at > self.settings.ws_idle_timeout:
+            self._closing = True
+            self.log.info("closing an idle connection")
+            self._error(
+                ProtocolError(
+                    ErrorCode.IDLE_TIMEOUT,
+                    f"no message for {self.settings.ws_idle_timeout:g} s and no stream open",
+                )
+            )
+            self._outbox.put_nowait((_CLOSE, (CloseCode.IDLE_TIMEOUT, "idle_timeout"), 0.0))
+
+    def _drop_slow_client(self, why: str) -> None:
+        """The client is not reading: release its streams now, then close (the close frame
+        may wait behind unread data; websockets gives up and aborts after its close timeout)."""
+        self._closing = True
+        self.runtime.metrics.error(str(ErrorCode.SLOW_CLIENT))
+        self.log.warning("dropping a slow client: %s", why, extra={"streams": len(self.streams)})
+        for stream in list(self.streams.values()):
+            self._abandon(stream, "slow client")
+        if self._writer is not None:
+            self._writer.cancel()
+        asyncio.ensure_future(self._close_now(CloseCode.SLOW_CLIENT, "slow_client"))
+
+    async def _close_now(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            if self.websocket.application_state == WebSocketState.CONNECTED:
+                await self.websocket.close(code, reason)
 
     def _hello(self) -> protocol.HelloEvent:
         engine = self.engine
         assert engine is not None and self.runtime.voices is not None
         return protocol.HelloEvent(
             connection=self.id,
-            model=model_name(engine.loaded.source),
+            model=self.runtime.models[0].name,
             version=self.runtime.version,
             sample_rate=engine.sample_rate,
             voices=self.runtime.voices.known(),
+            models=[served.describe() for served in self.runtime.models],
             default_voice=engine.default_voice,
             weights=engine.loaded.weights,
             limits=protocol.Limits(
@@ -171,6 +275,7 @@ class Connection:
             message = await self.websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
+            self.last_message_at = time.perf_counter()
             text = message.get("text")
             if text is None:
                 self._error(
@@ -181,7 +286,7 @@ class Connection:
                 )
                 continue
             # Checked before parsing: a huge message must not cost a JSON parse.
-            if len(text) > limit or len(text.encode("utf-8")) > limit:
+            if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
                 self._error(
                     ProtocolError(
                         ErrorCode.MESSAGE_TOO_LARGE,
@@ -214,7 +319,8 @@ class Connection:
             elif isinstance(message, protocol.End):
                 self._end(stream, "end")
             elif isinstance(message, protocol.Playback):
-                stream.played_seconds = max(stream.played_seconds, message.seconds)
+                stream.played_seconds = max(stream.played_seconds or 0.0, message.seconds)
+                stream.room.set()
 
     def _active(self, message: protocol.Message) -> WsStream:
         kind = message.TYPE
@@ -260,11 +366,19 @@ class Connection:
             )
         if message.end and not (message.text or "").strip():
             raise refuse(ErrorCode.EMPTY_TEXT, "a one-shot start (end: true) needs text")
-        engine = self.engine
-        assert engine is not None and self.runtime.voices is not None
+        limits = self.runtime.limits
+        try:
+            limits.open_stream(self.tenant)
+        except LimitError as e:
+            error = refuse(e.code, e.message)
+            error.retry_after = e.retry_after
+            raise error from None
         self._reserved.add(sid)
         try:
             try:
+                served = self.runtime.select(message.model)
+                engine = served.engine
+                assert engine is not None and served.voices is not None
                 options = GenerationOptions(
                     **{
                         "chain_frames": engine.config.default_chain_frames,
@@ -272,12 +386,15 @@ class Connection:
                         **message.options,
                     }
                 )
-                voice = await self.runtime.voices.resolve(message.voice)
+                voice = await served.voices.resolve(message.voice)
                 if self._closed.is_set():
-                    return
+                    raise refuse(ErrorCode.STREAM_CLOSED, "the connection closed")
                 engine_stream = engine.stream(voice, options)
             except (EngineError, ValueError) as e:
                 raise refuse(protocol.engine_error_code(e), str(e)) from None
+        except BaseException:
+            limits.close_stream(self.tenant)
+            raise
         finally:
             self._reserved.discard(sid)
         stream = WsStream(
@@ -294,13 +411,20 @@ class Connection:
         self.runtime.add_stream(stream)
         self._send_event(
             protocol.StartedEvent(
-                sid, stream.channel, stream.request_id, voice, stream.sample_rate, stream.format
+                sid,
+                stream.channel,
+                stream.request_id,
+                voice,
+                stream.sample_rate,
+                stream.format,
+                served.name,
             )
         )
         stream.log.info(
             "stream started",
             extra={
                 "voice": voice,
+                "model": served.name,
                 "sample_rate": stream.sample_rate,
                 "engine_request": engine_stream.id,
             },
@@ -335,6 +459,12 @@ class Connection:
                 ErrorCode.TEXT_TOO_LONG,
                 f"text over the limit of {limit} characters per stream; this text was dropped",
             )
+        try:
+            self.runtime.limits.take_chars(self.tenant, len(text))
+        except LimitError as e:
+            error = refuse(e.code, e.message)
+            error.retry_after = e.retry_after
+            raise error from None
         try:
             stream.engine_stream.push_text(text)
         except (EngineError, ValueError) as e:
@@ -390,6 +520,7 @@ class Connection:
                 if isinstance(event, AudioChunk):
                     stream.clause_samples += len(event.samples)
                     self._send_audio(stream, stream.encoder.encode(event.samples))
+                    await self._wait_for_room(stream)
                 elif isinstance(event, ClauseDone):
                     self._send_event(self._clause_event(stream, event))
             if stream.finished:
@@ -416,6 +547,30 @@ class Connection:
                 )
             )
 
+    async def _wait_for_room(self, stream: WsStream) -> None:
+        """Hold the pump while the client has `max_buffered_audio` seconds not yet taken (or
+        heard). A writer stuck on the socket is the watchdog's business; a client that stops
+        reporting playback is given up on here, after the slow-client timeout."""
+        limit = self.settings.max_buffered_audio
+        while not stream.finished and stream.buffered() > limit:
+            stream.room.clear()
+            try:
+                await asyncio.wait_for(stream.room.wait(), self.settings.slow_client_timeout)
+            except TimeoutError:
+                if stream.finished or stream.queued_seconds > limit:
+                    continue  # the writer is stuck: the watchdog drops the connection
+                self._fail(stream)
+                self._error(
+                    ProtocolError(
+                        ErrorCode.SLOW_CLIENT,
+                        f"no playback report for {self.settings.slow_client_timeout:g} s while "
+                        f"{limit:g} s ahead of it",
+                        stream.id,
+                        final=True,
+                    )
+                )
+                return
+
     def _send_audio(self, stream: WsStream, pcm: bytes) -> None:
         if not pcm or stream.cancelled:
             return
@@ -424,9 +579,12 @@ class Connection:
             since = stream.first_text_at or stream.started_at
             self.runtime.metrics.first_audio("websocket", stream.first_audio_at - since)
         frame = protocol.pack_audio(stream.channel, stream.sequence, pcm)
+        seconds = len(pcm) / stream.bytes_per_second
         stream.sequence += 1
         stream.bytes_sent += len(pcm)
-        self._outbox.put_nowait((stream, frame))
+        stream.audio_seconds += seconds
+        stream.queued_seconds += seconds
+        self._outbox.put_nowait((stream, frame, seconds))
 
     def _clause_event(self, stream: WsStream, event: ClauseDone) -> protocol.ClauseDoneEvent:
         audio_seconds = stream.clause_samples / stream.model_rate
@@ -457,6 +615,8 @@ class Connection:
         )
         return metrics
 
+    # ---- ending
+
     def cancel_stream(self, stream: WsStream, reason: str) -> None:
         if stream.finished:
             return
@@ -466,44 +626,68 @@ class Connection:
         self._send_event(protocol.CancelledEvent(stream.id, reason))
         stream.log.info("stream cancelled", extra={"reason": reason})
 
-    def _abandon(self, stream: WsStream) -> None:
-        """The client went away: release the engine state, nobody to tell."""
+    def expire_stream(self, stream: WsStream) -> None:
+        if stream.finished:
+            return
+        limit = self.settings.max_stream_seconds
+        self._fail(stream, "timeout")
+        self._error(
+            ProtocolError(
+                ErrorCode.STREAM_TIMEOUT,
+                f"the stream outlived the server's limit of {limit:g} s",
+                stream.id,
+                final=True,
+            )
+        )
+
+    def _abandon(self, stream: WsStream, why: str) -> None:
+        """Nobody to tell (gone, or not reading): release the engine state."""
         if stream.finished:
             return
         stream.cancelled = True
         stream.engine_stream.cancel()
         self._finish(stream, "disconnected")
-        stream.log.info("stream abandoned: client disconnected")
+        stream.log.info("stream abandoned: %s", why)
 
-    def _fail(self, stream: WsStream) -> None:
+    def _fail(self, stream: WsStream, outcome: str = "error") -> None:
         """The stream is over with an error (whose final event the caller sends)."""
         if stream.finished:
             return
         stream.cancelled = True
         stream.engine_stream.cancel()
-        self._finish(stream, "error")
+        self._finish(stream, outcome)
 
     def _finish(self, stream: WsStream, outcome: str) -> None:
         stream.finished = True
+        stream.room.set()  # a pump waiting for room sees the end
         self.streams.pop(stream.id, None)
         if len(self._recent) == self._recent.maxlen:
             self._recent_set.discard(self._recent[0])
         self._recent.append(stream.id)
         self._recent_set.add(stream.id)
         self.runtime.remove_stream(stream)
+        self.runtime.limits.close_stream(self.tenant)
         self.runtime.metrics.stream_finished("websocket", outcome)
 
+    # ---- writing
+
     def _send_event(self, event: protocol.Event) -> None:
-        self._outbox.put_nowait((None, protocol.encode_event(event)))
+        self._queued_events += 1
+        if self._queued_events > MAX_QUEUED_EVENTS and not self._closing:
+            self._drop_slow_client(f"{MAX_QUEUED_EVENTS} events not taken")
+            return
+        self._outbox.put_nowait((None, protocol.encode_event(event), 0.0))
 
     def _error(self, error: ProtocolError) -> None:
         if error.final and error.stream in self.streams:
             error.final = False  # an error about a message never ends another live stream
         self.runtime.metrics.error(str(error.code))
-        self.log.info(
-            "error event: %s",
-            error.message,
-            extra={"code": str(error.code), "stream": error.stream, "final": error.final},
+        self.runtime.log_client_error(
+            self.log,
+            f"error event: {error.message}",
+            code=str(error.code),
+            stream=error.stream,
+            final=error.final,
         )
         self._send_event(error.event())
 
@@ -513,7 +697,7 @@ class Connection:
             item = await self._outbox.get()
             if item is None:
                 return
-            stream, data = item
+            stream, data, seconds = item
             try:
                 if stream is _CLOSE:
                     code, reason = data
@@ -521,14 +705,22 @@ class Connection:
                         await ws.close(code, reason)
                     return
                 if isinstance(data, bytes):
-                    if stream is not None and stream.cancelled:
+                    if stream.cancelled:
                         continue  # queued before the cancel: must not follow its event
+                    self._sending_since = time.perf_counter()
                     await ws.send_bytes(data)
                 else:
+                    self._queued_events -= 1
+                    self._sending_since = time.perf_counter()
                     await ws.send_text(data)
+                self._sending_since = None
             except Exception as e:  # the client went away; the reader sees the disconnect
                 self.log.debug("send failed: %s", e)
                 return
+            finally:
+                if isinstance(stream, WsStream):
+                    stream.queued_seconds -= seconds
+                    stream.room.set()
 
 
 async def websocket_endpoint(websocket: WebSocket, runtime: Runtime) -> None:
@@ -538,6 +730,11 @@ async def websocket_endpoint(websocket: WebSocket, runtime: Runtime) -> None:
 def _client(websocket: WebSocket) -> str:
     client = websocket.client
     return f"{client.host}:{client.port}" if client else "?"
+
+
+def _client_host(websocket: WebSocket) -> str:
+    client = websocket.client
+    return client.host if client else "?"
 
 
 def _rounded(metrics: dict[str, Any]) -> dict[str, Any]:

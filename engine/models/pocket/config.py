@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+# The sampler types and how many time conditions each head takes. "lsd": Lagrangian
+# self-distillation (start and target time, 1 step by default); "flow_matching": N-step Euler
+# integration of an optimal-transport flow (one time); "drifting": the head maps noise to a latent
+# in one step; "pointwise": one step, the noise plus the head's output (LSD's 0 -> 1 step without
+# times). A config with another type fails at load, with the field's path.
+FLOW_TYPES = {"lsd": 2, "flow_matching": 1, "drifting": 0, "pointwise": 0}
 
 
 class StrictModel(BaseModel):
@@ -20,8 +27,17 @@ class StrictModel(BaseModel):
 class FlowConfig(StrictModel):
     dim: int
     depth: int
-    # "lsd": 1-step Lagrangian self-distillation; "flow_matching": N-step Euler integration.
+    # One of FLOW_TYPES.
     type: str = "lsd"
+
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value not in FLOW_TYPES:
+            raise ValueError(
+                f"unsupported sampler type {value!r}: expected one of {list(FLOW_TYPES)}"
+            )
+        return value
 
 
 class FlowLMTransformerConfig(StrictModel):

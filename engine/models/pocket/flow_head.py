@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from intone.engine.models.pocket.config import FLOW_TYPES
+
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale) + shift
@@ -106,10 +108,10 @@ class FlowHead(nn.Module):
         flow_type: str,
     ):
         super().__init__()
-        if flow_type not in ("lsd", "flow_matching"):
-            raise ValueError(f"unsupported flow type {flow_type!r}: use 'lsd' or 'flow_matching'")
+        if flow_type not in FLOW_TYPES:
+            raise ValueError(f"unsupported flow type {flow_type!r}: use one of {list(FLOW_TYPES)}")
         self.flow_type = flow_type
-        self.num_time_conds = 2 if flow_type == "lsd" else 1
+        self.num_time_conds = FLOW_TYPES[flow_type]
         self.time_embed = nn.ModuleList(
             TimestepEmbedder(model_channels) for _ in range(self.num_time_conds)
         )
@@ -122,13 +124,21 @@ class FlowHead(nn.Module):
         *times, x = times_and_x
         x = self.input_proj(x)
         y = self.cond_embed(z)
-        y = y + sum(emb(t) for emb, t in zip(self.time_embed, times, strict=True)) / len(times)
+        if times:
+            y = y + sum(emb(t) for emb, t in zip(self.time_embed, times, strict=True)) / len(times)
         for block in self.res_blocks:
             x = block(x, y)
         return self.final_layer(x, y)
 
     def sample(self, z: torch.Tensor, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
-        """Integrate the flow from noise [B, latent] to a latent, conditioned on z [B, cond]."""
+        """A latent from noise [B, latent], conditioned on z [B, cond].
+
+        `num_steps` integration steps for "lsd" and "flow_matching"; the one-step heads ignore it.
+        """
+        if self.flow_type == "drifting":
+            return self(z, noise)
+        if self.flow_type == "pointwise":
+            return noise + self(z, noise)
         current = noise
         ones = torch.ones_like(noise[..., :1])
         for i in range(num_steps):

@@ -13,15 +13,24 @@ from torch.nn import functional as F
 
 from intone.engine.models.pocket.config import FlowLMConfig
 from intone.engine.models.pocket.flow_head import FlowHead
+from intone.engine.models.pocket.kv_cache import KVPool
 from intone.engine.models.pocket.transformer import KVCache, Transformer
 
 
 class LUTConditioner(nn.Module):
-    """Token embedding table; n_bins + 1 rows because the last one was the training padding."""
+    """Token embedding table; n_bins + 1 rows because the last one was the training padding.
 
-    def __init__(self, n_bins: int, dim: int):
+    With a `rank`, the table is low-rank: rank-wide rows and a bias-free projection to `dim`.
+    """
+
+    def __init__(self, n_bins: int, dim: int, rank: int | None = None):
         super().__init__()
-        self.embed = nn.Embedding(n_bins + 1, dim)
+        self.embed = nn.Embedding(n_bins + 1, rank or dim)
+        self.proj = None if rank is None else nn.Linear(rank, dim, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return x if self.proj is None else self.proj(x)
 
 
 class FlowLM(nn.Module):
@@ -30,24 +39,16 @@ class FlowLM(nn.Module):
 
     def __init__(self, config: FlowLMConfig, latent_dim: int, voice_latent_dim: int):
         super().__init__()
-        unsupported = {
-            "z_dim": config.z_dim,
-            "attn_dim": config.transformer.attn_dim,
-            "num_kv_heads": config.transformer.num_kv_heads,
-            "lookup_table.rank": config.lookup_table.rank,
-        }
-        if any(v is not None for v in unsupported.values()):
-            raise ValueError(
-                "intone supports the released Pocket TTS architecture; these config options "
-                f"are not supported: { {k: v for k, v in unsupported.items() if v is not None} }"
-            )
         tcfg = config.transformer
+        lookup = config.lookup_table
         dim = tcfg.d_model
         self.dim = dim
         self.latent_dim = latent_dim
-        self.conditioner = LUTConditioner(config.lookup_table.n_bins, config.lookup_table.dim)
+        self.conditioner = LUTConditioner(lookup.n_bins, lookup.dim, lookup.rank)
+        # The sampler and EOS heads read z: the backbone output, projected to z_dim if set.
+        z_dim = config.z_dim or dim
         self.flow_net = FlowHead(
-            latent_dim, config.flow.dim, dim, config.flow.depth, config.flow.type
+            latent_dim, config.flow.dim, z_dim, config.flow.depth, config.flow.type
         )
         self.transformer = Transformer(
             d_model=dim,
@@ -55,6 +56,8 @@ class FlowLM(nn.Module):
             num_layers=tcfg.num_layers,
             dim_feedforward=tcfg.dim_feedforward or dim * tcfg.hidden_scale,
             max_period=float(tcfg.max_period),
+            attn_dim=tcfg.attn_dim,
+            num_kv_heads=tcfg.num_kv_heads,
         )
         self.register_buffer("emb_std", torch.ones(latent_dim))
         self.register_buffer("emb_mean", torch.zeros(latent_dim))
@@ -64,15 +67,33 @@ class FlowLM(nn.Module):
             self.bos_before_voice = nn.Parameter(torch.randn(1, 1, dim))
         self.input_linear = nn.Linear(latent_dim, dim, bias=False)
         self.out_norm = nn.LayerNorm(dim, eps=1e-5)
-        self.out_eos = nn.Linear(dim, 1)
+        self.z_proj = None if config.z_dim is None else nn.Linear(dim, config.z_dim, bias=False)
+        self.out_eos = nn.Linear(z_dim, 1)
         self.speaker_proj_weight = nn.Parameter(torch.randn(dim, voice_latent_dim) * 0.02)
 
     @property
     def num_layers(self) -> int:
         return len(self.transformer.layers)
 
+    def new_kv_pool(
+        self,
+        num_slots: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVPool:
+        """A key/value pool shaped for this backbone (its key/value heads, not its query heads)."""
+        tf = self.transformer
+        return KVPool(
+            self.num_layers,
+            num_slots,
+            tf.num_kv_heads,
+            tf.head_dim,
+            dtype=tf.dtype if dtype is None else dtype,
+            device=self.input_linear.weight.device if device is None else device,
+        )
+
     def embed_text(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.conditioner.embed(tokens)
+        return self.conditioner(tokens)
 
     def embed_voice(self, voice_latents: torch.Tensor) -> torch.Tensor:
         """Voice-prompt embeddings [T, D] from de-normalised Mimi latents [T, latent]."""
@@ -87,9 +108,10 @@ class FlowLM(nn.Module):
         return self.input_linear(latents)
 
     def backbone(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Backbone outputs z [N, D], float32 whatever precision the transformer runs in."""
+        """Backbone outputs z [N, z_dim], float32 whatever precision the transformer runs in."""
         x = self.transformer(x.to(self.transformer.dtype), positions, cache)
-        return self.out_norm(x.to(torch.float32))
+        z = self.out_norm(x.to(torch.float32))
+        return z if self.z_proj is None else self.z_proj(z)
 
     def eos_logit(self, z: torch.Tensor) -> torch.Tensor:
         return self.out_eos(z.to(torch.float32))[..., 0]

@@ -5,6 +5,9 @@ position lives in is the caller's business: the single-request path gives a requ
 run of slots, the engine's block manager hands out fixed-size pages. Either way a step only needs
 the slot of every position it reads and writes, so the attention code is the same for both and a
 batch never copies caches when its membership changes.
+
+The pool holds `num_kv_heads` heads per position; queries may have more (grouped-query attention,
+num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_heads // num_kv_heads).
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
 
 class KVPool:
+    """Keys and values [layers, slots, kv_heads, head_dim]: the attention's key/value heads."""
+
     def __init__(
         self,
         num_layers: int,
@@ -32,6 +36,12 @@ class KVPool:
     @property
     def num_slots(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Memory one slot (one position, every layer, keys and values) takes."""
+        layers, _, heads, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [layers, n, H, D] computed elsewhere (a voice state) at slots [n]."""
@@ -54,31 +64,88 @@ class SequenceStep:
     num_new: int
 
 
-@dataclass
-class SlotAttention:
-    """Per-step attention metadata, shared by every layer (implements `KVCache`).
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """Grouped-query attention over gathered keys, head-major.
 
-    Queries arrive packed, [N, H, D], with no padding. They are viewed as G groups of equal
-    length: one group per sequence when every sequence adds one token (decode), or a single
-    group holding everything with a block-diagonal causal mask (packed prefill, mixed steps).
+    q [Hkv, R, g * n, D] (g query heads per KV head, n queries each), keys/values [Hkv, R, L, D],
+    bias broadcastable to [Hkv, R, g, n, L] (0 or -inf). The query heads of a group share one
+    read of their KV head (no repeat); softmax runs in float32 whatever the KV dtype.
+    """
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, keys.transpose(-1, -2))
+    hkv, rows, gn, length = scores.shape
+    scores = scores.view(hkv, rows, -1, bias.shape[-2], length).float() + bias
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(hkv, rows, gn, length)
+    return torch.matmul(probs, values)
+
+
+@dataclass
+class DecodeAttention:
+    """Attention for a step where every sequence adds one token (implements `KVCache`).
+
+    read_slots [B, L]: each row's slots, padded (to its longest row, or a page multiple) with
+    slot 0, which `bias` hides. Each layer gathers the rows' keys and values once, straight into
+    the head-major [Hkv, B, L, D] layout the batched matmuls read (the previous path gathered
+    [B, L, H, D] and SDPA copied it again to transpose it).
     """
 
     pool: KVPool
-    write_slots: torch.Tensor  # [N]
-    read_slots: torch.Tensor  # [G, L]
-    mask: torch.Tensor  # [G, 1, N // G, L], True where a query may see a key
+    write_slots: torch.Tensor  # [B]
+    read_slots: torch.Tensor  # [B, L]
+    bias: torch.Tensor  # [1, B, 1, 1, L]: 0 where a row may see a key, -inf elsewhere
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         keys.index_copy_(0, self.write_slots, k)
         values.index_copy_(0, self.write_slots, v)
-        groups = self.read_slots.shape[0]
-        n, heads, dim = q.shape
-        q = q.view(groups, n // groups, heads, dim).transpose(1, 2)
-        k_ctx = keys[self.read_slots].transpose(1, 2)
-        v_ctx = values[self.read_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=self.mask)
-        return out.transpose(1, 2).reshape(n, heads, dim)
+        rows, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        q = q.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+        k_ctx = keys.transpose(0, 1)[:, self.read_slots]
+        v_ctx = values.transpose(0, 1)[:, self.read_slots]
+        out = _attend(q, k_ctx, v_ctx, self.bias)  # [Hkv, B, g, D]
+        return out.transpose(0, 1).reshape(rows, heads, dim)
+
+
+@dataclass
+class VarlenAttention:
+    """Attention for a packed pass of sequences adding several tokens each (implements `KVCache`).
+
+    Queries arrive packed, [N, H, D]. Each sequence attends only to its own keys, causally: work
+    and memory O(sum n_i * L_i), where a block-diagonal mask over the packed pass would be
+    O(N * sum L_i).
+    """
+
+    pool: KVPool
+    write_slots: torch.Tensor  # [N]
+    read_slots: list[torch.Tensor]  # per sequence [L_i]
+    num_new: list[int]  # per sequence n_i, in query order
+    biases: list[torch.Tensor]  # per sequence [n_i, L_i]: 0 where a query may see a key, -inf
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys.index_copy_(0, self.write_slots, k)
+        values.index_copy_(0, self.write_slots, v)
+        _, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        outputs = []
+        for q_seq, slots, bias in zip(
+            q.split(self.num_new), self.read_slots, self.biases, strict=True
+        ):
+            n = q_seq.shape[0]
+            # [n, H, D] -> [Hkv, 1, g * n, D]: a group's queries side by side against its KV head.
+            q_seq = q_seq.view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
+            q_seq = q_seq.reshape(kv_heads, 1, group * n, dim)
+            k_ctx = keys.index_select(0, slots).transpose(0, 1)[:, None]
+            v_ctx = values.index_select(0, slots).transpose(0, 1)[:, None]
+            out = _attend(q_seq, k_ctx, v_ctx, bias)  # [Hkv, 1, g * n, D]
+            outputs.append(out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
+        return torch.cat(outputs).reshape(-1, heads, dim)
+
+
+SlotAttention = DecodeAttention | VarlenAttention
 
 
 def plan_step(
@@ -87,28 +154,38 @@ def plan_step(
     """Positions [N] and attention metadata for one packed FlowLM step.
 
     In a decode step the key length is rounded up to `key_multiple`, so that step shapes repeat.
+    Everything is planned on the host and moved to the pool's device once; no step reads back
+    from the device.
     """
     device = pool.keys.device
-    positions = torch.cat([torch.arange(len(s.slots) - s.num_new, len(s.slots)) for s in steps]).to(
-        device
+    lengths = [len(s.slots) for s in steps]
+    positions = torch.cat(
+        [torch.arange(n - s.num_new, n) for s, n in zip(steps, lengths, strict=True)]
     )
     write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]).to(device)
-    lengths = [len(s.slots) for s in steps]
     if all(s.num_new == 1 for s in steps):
         longest = -(-max(lengths) // key_multiple) * key_multiple
-        # Pad with slot 0; the mask hides it.
+        # Pad with slot 0; the bias hides it.
         read_slots = torch.zeros(len(steps), longest, dtype=torch.long)
         for row, s in enumerate(steps):
             read_slots[row, : len(s.slots)] = s.slots
-        mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-        mask = mask[:, None, None, :]
-    else:
-        read_slots = torch.cat([s.slots for s in steps])[None, :]
-        key_seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        key_pos = torch.cat([torch.arange(n) for n in lengths])
-        query_seq = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(steps)])
-        mask = (query_seq[:, None] == key_seq[None, :]) & (
-            key_pos[None, :] <= positions.cpu()[:, None]
+        visible = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+        bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        attention: SlotAttention = DecodeAttention(
+            pool, write_slots, read_slots.to(device), bias[None, :, None, None].to(device)
         )
-        mask = mask[None, None]
-    return positions, SlotAttention(pool, write_slots, read_slots.to(device), mask.to(device))
+    else:
+        biases = []
+        for s, n in zip(steps, lengths, strict=True):
+            # Query r (position n - num_new + r) sees keys 0 .. n - num_new + r.
+            query_pos = torch.arange(n - s.num_new, n)
+            hidden = torch.arange(n)[None, :] > query_pos[:, None]
+            biases.append(torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device))
+        attention = VarlenAttention(
+            pool,
+            write_slots,
+            [s.slots.to(device) for s in steps],
+            [s.num_new for s in steps],
+            biases,
+        )
+    return positions.to(device), attention

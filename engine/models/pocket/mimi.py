@@ -175,7 +175,7 @@ class ProjectedTransformer(nn.Module):
 
     def init_state(self, name: str, batch_size: int, device: torch.device) -> State:
         t = self.transformer
-        kv_shape = (batch_size, self.context, t.num_heads, t.head_dim)
+        kv_shape = (batch_size, self.context, t.num_kv_heads, t.head_dim)
         state = {f"{name}.offset": torch.zeros(batch_size, dtype=torch.long, device=device)}
         for layer in range(len(t.layers)):
             state[f"{name}.{layer}.keys"] = torch.zeros(kv_shape, device=device)

@@ -43,21 +43,47 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_period: float) -> t
 
 
 class MultiheadAttention(nn.Module):
-    def __init__(self, embed_dim: int, num_heads: int, max_period: float):
+    """Self-attention with rotary positions.
+
+    Queries and the output are `attn_dim` wide (`embed_dim` by default), split in `num_heads`
+    heads; keys and values have `num_kv_heads` heads of the same width (`num_heads` by default),
+    each shared by `num_heads // num_kv_heads` query heads. Caches hold the key/value heads only.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        max_period: float,
+        attn_dim: int | None = None,
+        num_kv_heads: int | None = None,
+    ):
         super().__init__()
+        attn_dim = attn_dim or embed_dim
+        num_kv_heads = num_kv_heads or num_heads
+        if attn_dim % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"attention needs attn_dim ({attn_dim}) divisible by num_heads ({num_heads}) and "
+                f"num_heads divisible by num_kv_heads ({num_kv_heads})"
+            )
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = attn_dim // num_heads
+        self.attn_dim = attn_dim
         self.max_period = max_period
         # Fused q/k/v projection: the released weights store it as one matrix.
-        self.in_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        kv_dim = num_kv_heads * self.head_dim
+        self.in_proj = nn.Linear(embed_dim, attn_dim + 2 * kv_dim, bias=False)
+        self.out_proj = nn.Linear(attn_dim, embed_dim, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        qkv = self.in_proj(x).view(*lead, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(dim=-3)
+        projected = self.in_proj(x)
+        q = projected[..., : self.attn_dim].reshape(*lead, self.num_heads, self.head_dim)
+        kv = projected[..., self.attn_dim :].reshape(*lead, 2, self.num_kv_heads, self.head_dim)
+        k, v = kv.unbind(dim=-3)
         q = apply_rope(q, positions, self.max_period)
         k = apply_rope(k, positions, self.max_period)
         out = cache.attend(layer, q, k, v)
@@ -81,9 +107,11 @@ class TransformerLayer(nn.Module):
         dim_feedforward: int,
         max_period: float,
         layer_scale: float | None = None,
+        attn_dim: int | None = None,
+        num_kv_heads: int | None = None,
     ):
         super().__init__()
-        self.self_attn = MultiheadAttention(d_model, num_heads, max_period)
+        self.self_attn = MultiheadAttention(d_model, num_heads, max_period, attn_dim, num_kv_heads)
         self.norm1 = nn.LayerNorm(d_model, eps=1e-5)
         self.norm2 = nn.LayerNorm(d_model, eps=1e-5)
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=False)
@@ -112,14 +140,21 @@ class Transformer(nn.Module):
         dim_feedforward: int,
         max_period: float = 10_000.0,
         layer_scale: float | None = None,
+        attn_dim: int | None = None,
+        num_kv_heads: int | None = None,
     ):
         super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = d_model // num_heads
         self.layers = nn.ModuleList(
-            TransformerLayer(d_model, num_heads, dim_feedforward, max_period, layer_scale)
+            TransformerLayer(
+                d_model, num_heads, dim_feedforward, max_period, layer_scale, attn_dim, num_kv_heads
+            )
             for _ in range(num_layers)
         )
+        attention = self.layers[0].self_attn
+        self.num_heads = attention.num_heads
+        # What a key/value cache holds per position and layer: num_kv_heads x head_dim.
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,315 @@
+"""Mimi's streaming decoder as plain matrix products on time-major activations.
+
+`Mimi.decode` runs the decoder as the checkpoint defines it: channels-first convolutions whose
+histories are concatenated in front of every call. On a CPU at decode-step sizes (a few frames
+per row, up to 16 rows) that costs as much in layout work as in arithmetic: oneDNN reorders the
+activations and weights of every convolution on every call, each history concatenation copies the
+whole activation, and the transposed convolutions run a slow generic kernel.
+
+`GemmDecoder` computes the same function on [B, T, C] activations with its weights laid out once
+for GEMMs:
+- a convolution is K accumulated GEMMs over row-shifted views of the flattened [B * (h + T), C]
+  input (rows that would straddle two batch rows are computed and dropped), so no im2col copy;
+- the ELU in front of a convolution writes straight into the buffer that already holds the
+  convolution's history, so the history concatenation costs nothing extra;
+- a transposed convolution (kernel = 2 * stride) is one GEMM to [B, T, 2, stride, C] and the
+  overlap-add of its two halves.
+Its streaming state has the same entries as `Mimi.init_decoder_state` with time-major buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
+from intone.engine.models.pocket.mimi import Mimi, ProjectedTransformer, SEANetResnetBlock
+
+logger = logging.getLogger(__name__)
+
+
+class _Conv:
+    """A causal convolution; with `elu`, the ELU in front of it is fused into its history copy."""
+
+    def __init__(self, module: StreamingConv1d, elu: bool):
+        conv = module.conv
+        if conv.groups != 1 or conv.stride[0] != 1 or module.pad_mode != "constant":
+            raise ValueError("GemmDecoder supports ungrouped stride-1 zero-padded convolutions")
+        self.key = f"{module.state_name}.previous"
+        self.history = module.history
+        self.dilation = conv.dilation[0]
+        self.elu = elu
+        # [K, Cin, Cout]: tap k's matrix, contiguous for the GEMM.
+        self.weights = conv.weight.detach().permute(2, 1, 0).contiguous()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.in_channels = conv.in_channels
+
+    def init_state(self, batch_size: int, device: torch.device) -> State:
+        if self.history == 0:
+            return {}
+        shape = (batch_size, self.history, self.in_channels)
+        return {self.key: torch.zeros(shape, device=device)}
+
+    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        b, t, c = x.shape
+        taps = self.weights.shape[0]
+        if self.history == 0:
+            x = F.elu(x) if self.elu else x
+            return F.linear(x, self.weights[0].t(), self.bias)
+        previous = state[self.key]
+        length = self.history + t
+        buf = x.new_empty(b, length, c)
+        buf[:, : self.history] = previous
+        if self.elu:
+            torch.ops.aten.elu.out(x, 1.0, 1.0, 1.0, out=buf[:, self.history :])
+        else:
+            buf[:, self.history :] = x
+        previous.copy_(buf[:, t:])
+        flat = buf.view(b * length, c)
+        rows = b * length - self.history
+        out = x.new_empty(b * length, self.weights.shape[2])
+        if self.bias is None:
+            torch.mm(flat[:rows], self.weights[0], out=out[:rows])
+        else:
+            torch.addmm(self.bias, flat[:rows], self.weights[0], out=out[:rows])
+        for k in range(1, taps):
+            shift = k * self.dilation
+            out[:rows].addmm_(flat[shift : shift + rows], self.weights[k])
+        return out.view(b, length, -1)[:, :t]
+
+
+class _ConvTranspose:
+    """A transposed convolution with kernel = 2 * stride, ELU in front optional."""
+
+    def __init__(self, module: StreamingConvTranspose1d, elu: bool):
+        convtr = module.convtr
+        kernel, stride = convtr.kernel_size[0], convtr.stride[0]
+        if kernel != 2 * stride:
+            raise ValueError("GemmDecoder supports transposed convolutions with kernel 2 * stride")
+        self.key = f"{module.state_name}.partial"
+        self.stride = stride
+        self.elu = elu
+        weight = convtr.weight.detach()  # [Cin, Cout / groups, K]
+        self.out_channels = convtr.out_channels
+        self.depthwise = convtr.groups > 1
+        if self.depthwise:
+            if not (convtr.groups == convtr.in_channels == convtr.out_channels):
+                raise ValueError("GemmDecoder supports dense or depthwise transposed convolutions")
+            self.weights = weight[:, 0].t().contiguous()  # [K, C]
+        else:
+            self.weights = weight.permute(0, 2, 1).reshape(weight.shape[0], -1).contiguous()
+        self.bias = None if convtr.bias is None else convtr.bias.detach().clone()
+
+    def init_state(self, batch_size: int, device: torch.device) -> State:
+        shape = (batch_size, self.stride, self.out_channels)
+        return {self.key: torch.zeros(shape, device=device)}
+
+    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.elu:
+            x = F.elu(x)
+        if self.depthwise:
+            y = x[:, :, None, :] * self.weights
+        else:
+            y = x.reshape(b * t, -1) @ self.weights
+        # Frame i's first half is output frame i, its second half overlaps output frame i + 1;
+        # the last frame's second half waits in `partial` for the next call (without bias).
+        y = y.view(b, t, 2, self.stride, self.out_channels)
+        out = y[:, :, 0].clone() if self.bias is None else y[:, :, 0] + self.bias
+        out[:, 1:] += y[:, :-1, 1]
+        partial = state[self.key]
+        out[:, 0] += partial
+        partial.copy_(y[:, -1, 1])
+        return out.view(b, t * self.stride, self.out_channels)
+
+
+class _ResBlock:
+    def __init__(self, block: SEANetResnetBlock):
+        layers = list(block.block)
+        if not (
+            len(layers) == 4
+            and isinstance(layers[0], nn.ELU)
+            and isinstance(layers[2], nn.ELU)
+            and all(isinstance(m, StreamingConv1d) for m in layers[1::2])
+        ):
+            raise ValueError("GemmDecoder supports ELU-conv-ELU-conv residual blocks")
+        self.convs = [_Conv(layers[1], elu=True), _Conv(layers[3], elu=True)]
+
+    def init_state(self, batch_size: int, device: torch.device) -> State:
+        state: State = {}
+        for conv in self.convs:
+            state.update(conv.init_state(batch_size, device))
+        return state
+
+    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        y = x
+        for conv in self.convs:
+            y = conv(y, state)
+        return x + y
+
+
+class RingKV:
+    """The decoder transformer's sliding-window cache as a ring (implements `KVCache`).
+
+    `WindowedKV` concatenates the window in front of the new keys and copies it back, per layer
+    and call. Here each row's keys live in a ring of `size` >= context + new - 1 slots that the
+    new keys are written into at position % size: nothing a query may still see is overwritten,
+    and attention reads the ring in place, masked by the stored positions.
+    """
+
+    def __init__(self, state: State, prefix: str, context: int, positions: torch.Tensor):
+        self.state = state
+        self.prefix = prefix
+        self.context = context
+        self.positions = positions  # [B, T]
+        size = state[f"{prefix}.0.key_positions"].shape[1]
+        self.slots = positions % size
+        self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = self.state[f"{self.prefix}.{layer}.keys"]
+        values = self.state[f"{self.prefix}.{layer}.values"]
+        key_pos = self.state[f"{self.prefix}.{layer}.key_positions"]
+        keys[self.rows, self.slots] = k
+        values[self.rows, self.slots] = v
+        key_pos[self.rows, self.slots] = self.positions
+        delta = self.positions[:, :, None] - key_pos[:, None, :]
+        mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.context)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None]
+        )
+        return out.transpose(1, 2)
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with int8 weights (per output channel) and dynamically quantized
+    int8 activations, through fbgemm: ~1.8x the float32 GEMM's speed on an AVX2 core."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int8Linear: linear layers with a bias are not supported")
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+        zero = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # torch marks its quantized tensor types deprecated; fbgemm's packed int8 GEMM is
+            # still the fast int8 matmul on x86 CPUs (`torch._int_mm` runs a slow reference loop).
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        # reduce_range: 7-bit activations, so fbgemm's AVX2 u8 x s8 products cannot saturate.
+        y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int8_transformer(transformer: ProjectedTransformer) -> ProjectedTransformer | None:
+    """A copy whose linear layers run in int8, or None where this torch build can't."""
+    quantized = copy.deepcopy(transformer)
+    try:
+        for layer in quantized.transformer.layers:
+            attn = layer.self_attn
+            attn.in_proj, attn.out_proj = Int8Linear(attn.in_proj), Int8Linear(attn.out_proj)
+            layer.linear1, layer.linear2 = Int8Linear(layer.linear1), Int8Linear(layer.linear2)
+    except (RuntimeError, AttributeError, ValueError) as e:
+        logger.warning("int8 decoder transformer unavailable (%s); it runs in float32", e)
+        return None
+    return quantized
+
+
+class GemmDecoder:
+    """The decoder of a float32 `Mimi`, computed as GEMMs; equal to `Mimi.decode` up to rounding.
+
+    A call decodes at most `max_frames` frames per row at once (the ring's size depends on it);
+    longer calls run in pieces, which is exact since the decoder is causal. With `int8`, the
+    decoder transformer's linear layers run in int8 (`Int8Linear`): its output enters the
+    residual stream through a small layer scale, so this costs little accuracy (the fast path's
+    tolerance, tests/test_fast_path.py) and about a fifth of the decoder's time.
+    """
+
+    def __init__(self, mimi: Mimi, max_frames: int = 4, int8: bool = False):
+        if mimi.quantizer.output_proj.kernel_size[0] != 1:
+            raise ValueError("GemmDecoder needs a 1x1 quantizer output projection")
+        self.samples_per_frame = mimi.samples_per_frame
+        self.max_frames = max_frames
+        self.ring = mimi.decoder_transformer.context + max_frames * mimi.steps_per_frame - 1
+        self.output_proj = mimi.quantizer.output_proj.weight.detach()[:, :, 0].clone()
+        self.upsample = _ConvTranspose(mimi.upsample.convtr, elu=False)
+        self.transformer = mimi.decoder_transformer
+        self.int8 = False
+        if int8:
+            quantized = int8_transformer(mimi.decoder_transformer)
+            if quantized is not None:
+                self.transformer, self.int8 = quantized, True
+        self.layers: list = []
+        elu = False
+        for module in mimi.decoder.model:
+            if isinstance(module, nn.ELU):
+                elu = True
+                continue
+            if isinstance(module, StreamingConv1d):
+                self.layers.append(_Conv(module, elu))
+            elif isinstance(module, StreamingConvTranspose1d):
+                self.layers.append(_ConvTranspose(module, elu))
+            elif isinstance(module, SEANetResnetBlock):
+                if elu:
+                    raise ValueError("GemmDecoder: an ELU in front of a residual block")
+                self.layers.append(_ResBlock(module))
+            else:
+                raise ValueError(f"GemmDecoder: unsupported decoder layer {type(module).__name__}")
+            elu = False
+
+    def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State:
+        device = torch.device(device)
+        state = self.upsample.init_state(batch_size, device)
+        for layer in self.layers:
+            state.update(layer.init_state(batch_size, device))
+        t = self.transformer.transformer
+        kv_shape = (batch_size, self.ring, t.num_heads, t.head_dim)
+        state["transformer.offset"] = torch.zeros(batch_size, dtype=torch.long, device=device)
+        for layer in range(len(t.layers)):
+            state[f"transformer.{layer}.keys"] = torch.zeros(kv_shape, device=device)
+            state[f"transformer.{layer}.values"] = torch.zeros(kv_shape, device=device)
+            state[f"transformer.{layer}.key_positions"] = torch.full(
+                (batch_size, self.ring), -1, dtype=torch.long, device=device
+            )
+        return state
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, state: State) -> torch.Tensor:
+        """De-normalised latents [B, T, C] -> audio [B, 1, T * samples_per_frame]."""
+        if latents.shape[1] > self.max_frames:
+            pieces = latents.split(self.max_frames, dim=1)
+            return torch.cat([self.decode(piece, state) for piece in pieces], dim=-1)
+        x = F.linear(latents, self.output_proj)
+        x = self.upsample(x, state)
+        offset = state["transformer.offset"]
+        steps = x.shape[1]
+        positions = offset[:, None] + torch.arange(steps, device=x.device)
+        cache = RingKV(state, "transformer", self.transformer.context, positions)
+        x = self.transformer.transformer(x, positions, cache)
+        offset += steps
+        for layer in self.layers:
+            x = layer(x, state)
+        return x.transpose(1, 2).contiguous()
+
+
+def make_decoder(mimi: Mimi, device: torch.device, int8: bool = False) -> Mimi | GemmDecoder:
+    """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears),
+    `Mimi` itself elsewhere (cuDNN convolutions)."""
+    if device.type != "cpu":
+        return mimi
+    try:
+        return GemmDecoder(mimi, int8=int8)
+    except ValueError as e:
+        logger.warning("Mimi decoder layout not supported by GemmDecoder (%s): eager path", e)
+        return mimi

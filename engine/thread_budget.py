@@ -1,0 +1,48 @@
+"""Torch's intra-op threads follow whichever engine stage is busy.
+
+The AR stage and the decoder run on two Python threads, but torch has one process-wide intra-op
+thread count. Fixed at half the cores each, a stage that runs alone (the decoder catching up
+after the AR side finished its requests, or a prefill while nothing decodes) leaves half the
+machine idle; at all the cores each, two busy stages oversubscribe it (measured on 2 cores:
+148 vs 116 frames/s at batch 8, bench/results/cpu-2core/profile.md). So every stage call
+counts itself busy here, and the count is set to the cores divided among the busy stages:
+the slower stage, busy more often alone, gets the spare cores.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class ThreadBudget:
+    def __init__(self, cores: int):
+        self.cores = max(1, cores)
+        self.busy_stages = 0
+        self.threads = 0
+        self._lock = threading.Lock()
+
+    def threads_for(self, busy_stages: int) -> int:
+        if busy_stages <= 1:
+            return max(1, self.cores - 1)
+        return max(1, self.cores // busy_stages)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        self._change(+1)
+        try:
+            yield
+        finally:
+            self._change(-1)
+
+    def _change(self, delta: int) -> None:
+        with self._lock:
+            self.busy_stages += delta
+            # Leaving, keep the count for the stages still busy (or for a lone next stage).
+            threads = self.threads_for(self.busy_stages)
+            if threads != self.threads:
+                torch.set_num_threads(threads)
+                self.threads = threads
