@@ -133,7 +133,7 @@ async def test_plugins_remote_backend_retries_an_unheard_turn(servers):
     """The LiveKit plugin's and the Pipecat service's remote mode (RemoteBackend) ride on the
     same reconnect: a turn cut before its first audio still speaks."""
     from intone.engine import AudioChunk
-    from intone.provider.shared import RemoteBackend
+    from intone.provider.backends import RemoteBackend
 
     a, b = servers
     async with Relay(f"ws://127.0.0.1:{a.port}") as relay:
