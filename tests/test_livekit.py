@@ -623,3 +623,23 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     assert len(said) >= len(ended), f"{said=} {started=} {position=}"
     await session.aclose()
     await tts.aclose()
+
+
+@pytest.mark.parametrize("sample_rate", [24000, 16000])
+async def test_streamed_segment_frames_are_50_to_250_ms(
+    engine: Engine, tiny_checkpoint: Path, sample_rate: int
+):
+    """LiveKit's own plugin tests hold non-final frames to 50-250 ms; only the last is final."""
+    tts = intone.TTS(model=tiny_checkpoint, sample_rate=sample_rate, **FAST)
+    stream = tts.stream()
+    text = "Hello there, this is a test of frame sizes. Another sentence follows."
+    for word in text.split(" "):
+        stream.push_text(word + " ")
+    stream.end_input()
+    frames = [event async for event in stream]
+    assert len(frames) > 3 and [f.is_final for f in frames].count(True) == 1 and frames[-1].is_final
+    for event in frames[:-1]:
+        assert 0.05 <= event.frame.duration <= 0.25, event.frame.duration
+    assert {f.frame.sample_rate for f in frames} == {sample_rate}
+    await stream.aclose()
+    await tts.aclose()

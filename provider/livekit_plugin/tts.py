@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+from livekit import rtc
 from livekit.agents import (
     APIConnectionError,
     APIConnectOptions,
@@ -492,6 +494,7 @@ async def _pump(
     progress: _Progress,
 ) -> None:
     """Move the engine's audio to the emitter as int16 PCM until the request ends."""
+    framer = _Framer(resampler.out_rate)
     events = speech.__aiter__()
     # The wait for the next event outlives a timeout that turns out to be harmless: cancelling
     # it would close a remote stream's async generator.
@@ -511,9 +514,9 @@ async def _pump(
             except StopAsyncIteration:
                 break
             if isinstance(event, AudioChunk):
-                samples = resampler.process(event.samples)
-                if samples.size:
-                    output_emitter.push(to_pcm16(samples))
+                frame = framer.push(resampler.process(event.samples))
+                if frame is not None:
+                    output_emitter.push_frame(frame)
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
                 # The clause's words, as the agent sent them, with their times in the segment:
@@ -527,9 +530,48 @@ async def _pump(
     finally:
         if pending is not None:
             pending.cancel()
-    tail = resampler.finish()
-    if tail.size:
-        output_emitter.push(to_pcm16(tail))
+    frame = framer.finish(resampler.finish())
+    if frame is not None:
+        output_emitter.push_frame(frame)
+
+
+class _Framer:
+    """Engine audio into frames for the emitter, none shorter than `MIN_FRAME_S` except the final.
+
+    The emitter keeps the last 10 ms of what it is given to mark the segment's end, and re-cuts
+    pushed bytes into 10, 40, 80, 160 ms frames first. Frames given whole, with `HOLD_S` held back
+    so that the end of the segment always has enough audio to close on, keep every non-final
+    frame in LiveKit's 50-250 ms, at the cost of the first frame waiting for 2 * 50 ms of audio.
+    """
+
+    MIN_FRAME_S = 0.05
+    HOLD_S = 0.05
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self._hold = round(self.HOLD_S * sample_rate)
+        self._min = round(self.MIN_FRAME_S * sample_rate) + self._hold
+        self._buffer = np.zeros(0, dtype=np.float32)
+
+    def push(self, samples: np.ndarray) -> rtc.AudioFrame | None:
+        self._buffer = np.concatenate([self._buffer, samples])
+        if len(self._buffer) < self._min:
+            return None
+        out, self._buffer = self._buffer[: -self._hold], self._buffer[-self._hold :]
+        return self._frame(out)
+
+    def finish(self, tail: np.ndarray) -> rtc.AudioFrame | None:
+        out = np.concatenate([self._buffer, tail])
+        self._buffer = np.zeros(0, dtype=np.float32)
+        return self._frame(out) if len(out) else None
+
+    def _frame(self, samples: np.ndarray) -> rtc.AudioFrame:
+        return rtc.AudioFrame(
+            data=to_pcm16(samples),
+            sample_rate=self.sample_rate,
+            num_channels=NUM_CHANNELS,
+            samples_per_channel=len(samples),
+        )
 
 
 def _note_request_id(request_id: str) -> None:
