@@ -463,6 +463,12 @@ async def test_remote_mode_speaks_through_intone_serve(engine: Engine, server_ur
     assert engine.metrics()["requests_completed"] == completed + 2
     frame = output.frames[0]
     assert (frame.sample_rate, frame.num_channels) == (24000, 1)
+    # The server's name for itself and its model, from its hello.
+    assert tts.provider == "intone"
+    assert tts.model != server_url and tts.model in engine.loaded.source  # the checkpoint's name
+    # Word timing over the protocol: the words ride on the frames as TimedStrings.
+    timed = [w for f in output.frames for w in f.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert [w.strip() for w in timed][:3] == ["Hello", "from", "the"]
     await session.aclose()
     await tts.aclose()
 

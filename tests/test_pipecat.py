@@ -289,6 +289,9 @@ async def test_remote_mode(engine: Engine, server_url: str, pages_at_idle: int):
         pipeline_params=PipelineParams(audio_out_sample_rate=16000, enable_metrics=True),
     )
     assert not [f for f in up if isinstance(f, ErrorFrame)]
+    # Word timestamps in remote mode too: the protocol's clause_done carries the times.
+    words = [f.text.strip() for f in down if isinstance(f, TTSTextFrame)]
+    assert words == f"Hello from the server. {text}".split()
     assert engine.metrics()["requests_completed"] == completed + 2
     assert {f.sample_rate for f in audio(down)} == {16000}
     kinds = [type(f) for f in down]
