@@ -649,3 +649,15 @@ async def test_streamed_segment_frames_are_50_to_250_ms(
     assert {f.frame.sample_rate for f in frames} == {sample_rate}
     await stream.aclose()
     await tts.aclose()
+
+
+async def test_aclose_closes_streams_in_flight(
+    engine: Engine, tiny_checkpoint: Path, pages_at_idle: int
+):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    stream = tts.stream()
+    stream.push_text("This turn is still open, and its engine request with it, ")
+    await wait_until(lambda: engine.metrics()["active_requests"] == 1)
+    await asyncio.wait_for(tts.aclose(), timeout=5)
+    # The engine request was cancelled with the stream: nothing holds the slot or its pages.
+    await wait_until(lambda: idle(engine, pages_at_idle), timeout=2.0)
