@@ -44,7 +44,7 @@ from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.errors import ErrorCategory
 
-from intone.engine import Engine
+from intone.engine import Engine, EngineConfig
 from intone.provider import registry
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
@@ -411,3 +411,55 @@ async def test_barge_in_context_holds_the_words_played(engine: Engine, tiny_chec
     said = str(messages[-1]["content"]).split()
     assert said == words[: len(said)]  # the LLM's words, in order, from the start
     assert abs(len(said) - heard) <= 1, f"{said=}: {heard} words began in {output.heard:.2f} s"
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
+    """A full engine is retried with backoff while the turn has no audio: when room comes the
+    turn speaks; when it never does, the error is RATE_LIMIT, which Pipecat does not treat as
+    permanent."""
+    engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
+    try:
+        holder = engine.stream()
+        holder.push_text("This open turn takes the one batch slot, and then it waits")
+        await wait_for(lambda: engine.metrics()["active_requests"] == 1)
+        waiting = engine.stream()  # takes the queue's one place
+
+        async def make_room() -> None:
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            holder.cancel()
+
+        room = asyncio.create_task(make_room())
+        down, up = await run_test(
+            IntoneTTSService(engine=engine, settings=FAST),
+            frames_to_send=[TTSSpeakFrame("Spoken once there is room.")],
+        )
+        await room
+        assert not [f for f in up if isinstance(f, ErrorFrame)]
+        assert seconds(down) == pytest.approx(CLAUSE_SECONDS, abs=0.01)
+
+        await wait_for(lambda: engine.metrics()["active_requests"] == 0)
+        full = [engine.stream()]
+        full[0].push_text("The slot, for good, ")
+        await wait_for(lambda: engine.metrics()["active_requests"] == 1)
+        full.append(engine.stream())  # and the queue
+        down, up = await run_test(
+            IntoneTTSService(engine=engine, settings=FAST),
+            frames_to_send=[TTSSpeakFrame("No room at all."), SleepFrame(2.0)],
+        )
+        errors = [f for f in up if isinstance(f, ErrorFrame)]
+        # Ours, then Pipecat's own report of a context that ended without audio.
+        assert errors and errors[0].category == ErrorCategory.RATE_LIMIT, [e.error for e in errors]
+        assert not errors[0].category.is_permanent
+        assert not audio(down)
+        for stream in full:
+            stream.cancel()
+    finally:
+        engine.close()
