@@ -34,7 +34,7 @@ class AudioChunk:
 class ClauseDone:
     """A clause's audio has all been delivered; where it lies in the stream's audio.
 
-    `start_sample` and `samples` count the samples the caller received (at the stream's speed;
+    `start_sample` and `sample_count` count the samples the caller received (at the stream's speed;
     exact at speed 1.0). `words` are the caller's own words of `text` with estimated times, in
     seconds from the stream's first sample (`timeline.py` says how they are estimated).
     """
@@ -44,7 +44,7 @@ class ClauseDone:
     frames: int
     eos_frame: int | None = None  # the clause's frame where the model signalled end of speech
     start_sample: int = 0
-    samples: int = 0
+    sample_count: int = 0  # not `samples`: that name is AudioChunk's array
     words: list[WordTiming] = field(default_factory=list)
 
 

@@ -227,7 +227,7 @@ class RemoteSpeech:
                     item.text,
                     item.frames,
                     start_sample=round(item.start * self.sample_rate),
-                    samples=round(item.audio_seconds * self.sample_rate),
+                    sample_count=round(item.audio_seconds * self.sample_rate),
                     words=[WordTiming(w.word, w.start, w.end) for w in item.words],
                 )
                 clause += 1
