@@ -211,6 +211,7 @@ class EngineBackend(_LocalModel):
     def __init__(self, model: str, voice_wav: str, device: str, options: dict):
         super().__init__(model, voice_wav, device)
         self.engine_options = options
+        self._streams: dict = {}  # seed -> the engine stream in flight
 
     async def start(self) -> None:
         from intone.engine import Engine, EngineConfig
@@ -228,6 +229,7 @@ class EngineBackend(_LocalModel):
         from intone.engine import AudioChunk
 
         stream = self.engine.stream(voice="bench", options=self._options(seed))
+        self._streams[seed] = stream
         finished = False
         try:
             stream.push_text(text)
@@ -237,8 +239,17 @@ class EngineBackend(_LocalModel):
                     yield len(event.samples)
             finished = True
         finally:
+            del self._streams[seed]
             if not finished:
                 stream.cancel()
+
+    def generated(self, seed: int) -> float | None:
+        """Seconds of audio the engine has generated for the request `seed`, so far."""
+        stream = self._streams.get(seed)
+        if stream is None:
+            return None
+        frame_s = self.engine.model.samples_per_frame / self.engine.sample_rate
+        return stream.request.frames_generated * frame_s
 
     def stage_metrics(self) -> dict | None:
         m = self.engine.metrics()
@@ -249,7 +260,7 @@ class EngineBackend(_LocalModel):
         }
 
     def reset_stage_metrics(self) -> None:
-        self.engine._metrics.reset_rates()
+        self.engine.reset_rates()
 
     def info(self) -> dict:
         import dataclasses
@@ -395,7 +406,7 @@ def make_backend(
         return SequentialBackend(model, voice_wav, device)
     if mode == "interleaved":
         return InterleavedBackend(model, voice_wav, device)
-    if mode in ("batched", "batched-fast"):
+    if mode in ("batched", "batched-fast", "batched-paced"):
         return EngineBackend(model, voice_wav, device, engine_options)
     if mode == "reference":
         return ReferenceBackend(model, voice_wav, workdir)

@@ -3,6 +3,13 @@
 A backend turns (text, seed) into an async iterator of chunk sizes (samples), yielded as the chunks
 arrive. The drivers here time every chunk on the client's event loop, the same measuring point in
 every mode: TTFA is submission to the first audio sample the client holds.
+
+A paced client (`Client(paced=True)`) reads as a phone call plays: it takes the next chunk only
+when less than `PACED_BUFFER_S` of the audio it holds is left to play, so audio the server makes
+early waits on the server side. With `barge_in`, each request is interrupted at a random point of
+its playback (uniform in the given range of seconds); the record keeps how much had been played
+and, where the backend can tell (`backend.generated`), how much audio had been generated: the
+difference is audio generated but never played.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from typing import Protocol
 
 from common import PROMPTS, SAMPLE_RATE, SEED, percentile, underran
 
+PACED_BUFFER_S = 0.2  # a paced client's playout buffer: it reads when less than this is left
+
 
 class Backend(Protocol):
     # Samples at the end of every stream that are not generated audio (the reference server
@@ -23,6 +32,35 @@ class Backend(Protocol):
     trailing_padding: int
 
     def request(self, text: str, seed: int) -> AsyncIterator[int]: ...
+
+
+@dataclass
+class Client:
+    """How a client consumes a stream."""
+
+    paced: bool = False
+    barge_in: tuple[float, float] | None = None  # interrupt between these seconds of playback
+
+
+class Player:
+    """A real-time player: plays what it holds, waits (an underrun) when it runs dry."""
+
+    def __init__(self) -> None:
+        self.held = 0.0
+        self.position = 0.0
+        self.at: float | None = None
+
+    def add(self, seconds: float, now: float) -> None:
+        self.advance(now)
+        if self.at is None:
+            self.at = now
+        self.held += seconds
+
+    def advance(self, now: float) -> float:
+        if self.at is not None:
+            self.position = min(self.position + now - self.at, self.held)
+            self.at = now
+        return self.position
 
 
 @dataclass
@@ -40,6 +78,9 @@ class RequestRecord:
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     finished: float | None = None
     error: str | None = None
+    interrupted: bool = False
+    played_s: float | None = None  # at the barge-in
+    generated_s: float | None = None  # at the barge-in, where the backend tells
 
     @property
     def ok(self) -> bool:
@@ -53,12 +94,40 @@ def make_specs(count: int, seed: int = SEED) -> list[RequestSpec]:
     ]
 
 
-async def run_one(backend: Backend, spec: RequestSpec) -> RequestRecord:
+async def run_one(
+    backend: Backend, spec: RequestSpec, client: Client | None = None
+) -> RequestRecord:
+    client = client or Client()
     record = RequestRecord(spec, time.perf_counter())
+    player = Player()
+    cut = None
+    if client.barge_in is not None:
+        cut = random.Random(spec.seed).uniform(*client.barge_in)
     try:
-        async for samples in backend.request(spec.text, spec.seed):
+        chunks = backend.request(spec.text, spec.seed)
+        async for samples in chunks:
+            now = time.perf_counter()
             if samples:
-                record.arrivals.append((time.perf_counter(), samples))
+                record.arrivals.append((now, samples))
+                player.add(samples / SAMPLE_RATE, now)
+            while client.paced or cut is not None:
+                played = player.advance(time.perf_counter())
+                if cut is not None and played >= cut:
+                    record.interrupted, record.played_s = True, played
+                    generated = getattr(backend, "generated", None)
+                    if generated is not None:
+                        record.generated_s = generated(spec.seed)
+                    break
+                left = player.held - played
+                if not client.paced or left <= PACED_BUFFER_S:
+                    break
+                wait = left - PACED_BUFFER_S
+                if cut is not None:
+                    wait = min(wait, cut - played)
+                await asyncio.sleep(max(wait, 0.001))
+            if record.interrupted:
+                await chunks.aclose()  # the backend cancels the stream
+                break
         record.finished = time.perf_counter()
     except Exception as e:  # a failed request is counted, not fatal
         record.error = f"{type(e).__name__}: {e}"
@@ -66,22 +135,26 @@ async def run_one(backend: Backend, spec: RequestSpec) -> RequestRecord:
 
 
 async def closed_loop(
-    backend: Backend, specs: list[RequestSpec], concurrency: int
+    backend: Backend, specs: list[RequestSpec], concurrency: int, client: Client | None = None
 ) -> list[RequestRecord]:
     """`concurrency` clients, each sending its next request when the previous one finished."""
     todo = list(reversed(specs))
     records: list[RequestRecord] = []
 
-    async def client() -> None:
+    async def one_client() -> None:
         while todo:
-            records.append(await run_one(backend, todo.pop()))
+            records.append(await run_one(backend, todo.pop(), client))
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return records
 
 
 async def open_loop(
-    backend: Backend, specs: list[RequestSpec], rate: float, seed: int = SEED
+    backend: Backend,
+    specs: list[RequestSpec],
+    rate: float,
+    seed: int = SEED,
+    client: Client | None = None,
 ) -> list[RequestRecord]:
     """Poisson arrivals at `rate` requests per second, whatever is still in flight."""
     rng = random.Random(seed)
@@ -92,7 +165,7 @@ async def open_loop(
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(run_one(backend, spec)))
+        tasks.append(asyncio.create_task(run_one(backend, spec, client)))
         at += rng.expovariate(rate)
     return list(await asyncio.gather(*tasks))
 
@@ -102,6 +175,8 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
     ok = [r for r in records if r.ok]
     ttfa, latency, rtf, audio, underruns = [], [], [], [], 0
     for r in ok:
+        if r.interrupted:
+            continue  # cut short on purpose: its latency and RTF say nothing
         samples = sum(n for _, n in r.arrivals) - trailing_padding
         seconds = samples / SAMPLE_RATE
         assert r.finished is not None
@@ -110,6 +185,15 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         audio.append(seconds)
         rtf.append(latency[-1] / seconds if seconds > 0 else float("inf"))
         underruns += underran(r.arrivals)
+    interrupted = [r for r in ok if r.interrupted]
+    for r in interrupted:
+        ttfa.append(r.arrivals[0][0] - r.submitted)
+        underruns += underran(r.arrivals)
+    wasted = [
+        r.generated_s - r.played_s
+        for r in interrupted
+        if r.generated_s is not None and r.played_s is not None
+    ]
     start = min((r.submitted for r in records), default=0.0)
     end = max((r.finished or r.submitted for r in records), default=0.0)
     wall = max(end - start, 1e-9)
@@ -137,6 +221,9 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         "rtf_p95": percentile(rtf, 95),
         "underruns": underruns,
         "underrun_rate": underruns / len(ok) if ok else None,
+        "interrupted": len(interrupted),
+        "wasted_audio_s_mean": sum(wasted) / len(wasted) if wasted else None,
+        "wasted_audio_s_p95": percentile(wasted, 95),
         "requests_per_prompt": {
             str(p): sum(1 for r in records if r.spec.prompt == p) for p in range(len(PROMPTS))
         },

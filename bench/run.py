@@ -16,6 +16,16 @@ that fits the time budget (min(64, max(16, 8 * c))); slow modes are capped at --
 --slow-requests at c=1 and max(4, c) requests above. --requests N overrides all of these.
 Every run records the counts it used.
 
+Paced clients (--paced-client): each client reads its stream at playback speed, as a phone call
+does (it takes the next chunk when less than 200 ms of what it holds is left to play), and with
+--barge-in LO,HI interrupts each turn at a random point between LO and HI seconds of playback;
+runs then also report audio generated but never played per interrupted turn (engine modes). Pacing
+off vs on is `batched` (EngineConfig.lead_s=None, as every engine mode runs by default here) vs
+`batched-paced` (the engine's default lead_s=2.0): for example
+
+    python bench/run.py --model checkpoints/full --out results/paced --paced-client \
+        --barge-in 1,6 --modes batched,batched-paced --concurrency 2,4,8 --arrival-rate 0.5
+
 Output in --out: results.json, results.md, ttfa.png, throughput.png, and logs/.
 """
 
@@ -43,6 +53,8 @@ from common import (  # noqa: E402
 )
 
 MODES = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws", "ws-ray")
+# Also runnable (--modes): the engine with its playback pacing on (EngineConfig.lead_s=2.0).
+EXTRA_MODES = ("batched-paced",)
 NETWORK_MODES = ("reference", "ws", "ws-ray")
 SLOW_MODES = ("sequential", "interleaved", "reference")
 FULL_REQUESTS = 16 * len(PROMPTS)
@@ -94,6 +106,14 @@ async def run_worker(spec: dict) -> list[dict]:
     workdir = Path(spec["workdir"])
     base, threads = split_mode(spec["mode"])
     engine_options = dict(spec["fast_options"]) if base == "batched-fast" else {}
+    if base != "batched-paced":
+        # Generation as fast as the machine goes, as these modes have always measured: pacing
+        # (the engine's default) would hold a fast reader's stream to real time.
+        engine_options["lead_s"] = None
+    client = loadgen.Client(
+        paced=spec.get("paced_client", False),
+        barge_in=tuple(spec["barge_in"]) if spec.get("barge_in") else None,
+    )
     if threads:
         import torch
 
@@ -125,15 +145,17 @@ async def run_worker(spec: dict) -> list[dict]:
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         if level["load"] == "closed":
-            records = await loadgen.closed_loop(backend, specs, level["concurrency"])
+            records = await loadgen.closed_loop(backend, specs, level["concurrency"], client)
         else:
-            records = await loadgen.open_loop(backend, specs, level["arrival_rate"])
+            records = await loadgen.open_loop(backend, specs, level["arrival_rate"], client=client)
         wall = time.perf_counter() - t0
         foreign1 = foreign_cpu_seconds()
         cpu, thread = time.process_time() - cpu0, time.thread_time() - thread0
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         server1 = backend.server_cpu_seconds()
         run = {"mode": spec["mode"], **level, "started_at": started_at}
+        run["client"] = "paced" if client.paced else "fast"
+        run["barge_in"] = list(client.barge_in) if client.barge_in else None
         run["commit"] = spec.get("commit")
         run.update(loadgen.summarize(records, backend.trailing_padding))
         network = base in NETWORK_MODES
@@ -167,6 +189,7 @@ async def run_worker(spec: dict) -> list[dict]:
             f"n={level['requests']}: TTFA p50 {fmt(run['ttfa_ms_p50'])} ms, "
             f"{run['audio_throughput']:.2f} audio-s/s, RTF p95 {fmt(run['rtf_p95'], 3)}, "
             f"underruns {run['underruns']}/{run['completed']}, errors {run['errors']}, "
+            f"wasted {fmt(run['wasted_audio_s_mean'], 2)} s/turn, "
             f"batch {run.get('batch_mean')}, client CPU {run['client_cpu_share']:.0%}, "
             f"wall {wall:.1f} s"
         )
@@ -208,6 +231,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a results dir whose runs to keep, replaced by this sweep's runs of the same mode "
         "and level (re-measure what another user's load disturbed)",
     )
+    parser.add_argument(
+        "--paced-client",
+        action="store_true",
+        help="clients read at playback speed (a phone call), not as fast as audio arrives",
+    )
+    parser.add_argument(
+        "--barge-in",
+        default=None,
+        metavar="LO,HI",
+        help="interrupt each turn at a random point between LO and HI seconds of playback",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -217,11 +251,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
         base, threads = split_mode(mode)
-        if base not in MODES:
-            parser.error(f"unknown mode {mode!r}; expected some of {','.join(MODES)}")
+        if base not in MODES + EXTRA_MODES:
+            known = ",".join(MODES + EXTRA_MODES)
+            parser.error(f"unknown mode {mode!r}; expected some of {known}")
         if threads is not None and (base in NETWORK_MODES or threads < 1):
             parser.error(f"{mode}: @tN (torch threads) is for in-process modes, N >= 1")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if args.barge_in:
+        try:
+            low, high = (float(x) for x in args.barge_in.split(","))
+        except ValueError:
+            parser.error("--barge-in takes LO,HI in seconds")
+        if not 0 <= low <= high:
+            parser.error("--barge-in needs 0 <= LO <= HI")
+        args.barge_in = [low, high]
     if not args.concurrency and not args.arrival_rate:
         parser.error("nothing to run: give --concurrency levels or --arrival-rate")
     return args
@@ -243,6 +286,8 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "workdir": str(workdir.resolve()),
         "commit": args.commit,
         "out": str((workdir / "runs.json").resolve()),
+        "paced_client": args.paced_client,
+        "barge_in": args.barge_in,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
@@ -315,7 +360,11 @@ def acceptance(runs: list[dict]) -> dict:
 
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     baselines = [m for m in modes if split_mode(m)[0] == "sequential" and find(m, 1)]
-    engines = [m for m in modes if split_mode(m)[0] in ("batched", "batched-fast", "ws", "ws-ray")]
+    engines = [
+        m
+        for m in modes
+        if split_mode(m)[0] in ("batched", "batched-fast", "batched-paced", "ws", "ws-ray")
+    ]
     out: dict = {
         "targets": {"throughput_c8_vs_sequential": ">= 3", "ttfa_p50_c1_vs_sequential": "<= 1.1"},
         "baselines": {},

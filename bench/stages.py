@@ -9,6 +9,13 @@ and, for contrast, the same two stages run concurrently in two threads (the engi
 decoder threads), which is what the engine does on the CPU.
 
     python bench/stages.py --model checkpoints/full [--batches 1,2,4,8,16] [--threads 1,2]
+        [--dtype auto|float32|bfloat16]
+
+`--decoders` instead compares the Mimi decoder implementations on one thread (the checkpoint's
+`Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears) at
+16 rows x 1 frame and 8 rows x 4 frames: the variants run interleaved, and each reports the
+minimum over `--repeats` calls of its thread CPU time and of its wall time, per row-frame (the
+minimum and CPU time so that other load on a shared machine disturbs the comparison least).
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
     from intone.engine.loading import load_model
     from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 
-    engine = Engine(
-        load_model(model_dir, device=device), EngineConfig(device=device, **engine_options)
-    )
+    # torch_threads=0: this script sets the thread count itself (no per-stage thread budget).
+    config = EngineConfig(device=device, **{"torch_threads": 0, **engine_options})
+    engine = Engine(load_model(model_dir, device=device), config)
     runner = engine.runner
     flow_lm = runner.flow_lm
 
@@ -92,6 +99,50 @@ def profile(ar, decode, repeats: int) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
+def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
+    """Per row-frame cost of each decoder implementation, one thread, interleaved calls."""
+    from intone.engine.loading import load_model
+    from intone.engine.models.pocket.gemm_decoder import GemmDecoder
+
+    torch.set_num_threads(1)
+    mimi = load_model(model_dir).model.mimi
+    decoders = {
+        "mimi": mimi,
+        "gemm": GemmDecoder(mimi),
+        "gemm-int8": GemmDecoder(mimi, int8=True),
+    }
+    rows = []
+    for batch, frames in ((16, 1), (8, 4)):
+        latents = torch.randn(batch, frames, mimi.quantizer.output_proj.in_channels)
+        states = {name: d.init_decoder_state(batch) for name, d in decoders.items()}
+        best = {name: [float("inf"), float("inf")] for name in decoders}
+        with torch.no_grad():
+            for name, decoder in decoders.items():
+                decoder.decode(latents, states[name])  # warm-up
+            for _ in range(repeats):
+                for name, decoder in decoders.items():
+                    cpu, wall = time.thread_time(), time.perf_counter()
+                    decoder.decode(latents, states[name])
+                    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                    best[name] = [min(best[name][0], cpu), min(best[name][1], wall)]
+        for name, (cpu, wall) in best.items():
+            row = {
+                "decoder": name,
+                "batch": batch,
+                "frames": frames,
+                "cpu_ms_per_row_frame": cpu * 1000 / (batch * frames),
+                "wall_ms_per_row_frame": wall * 1000 / (batch * frames),
+            }
+            rows.append(row)
+            print(
+                f"{name:10s} {batch:2d} rows x {frames} frames: "
+                f"{row['cpu_ms_per_row_frame']:.2f} ms CPU, {row['wall_ms_per_row_frame']:.2f} ms "
+                f"wall per row-frame (min of {repeats})",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -101,17 +152,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=150, help="positions per row (AR step)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--fast", action="store_true", help="the batched-fast engine options")
+    parser.add_argument("--dtype", default=None, help="EngineConfig.dtype (default: the engine's)")
+    parser.add_argument(
+        "--decoders", action="store_true", help="compare the decoder implementations only"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--profile", type=int, default=None, help="print torch.profiler op tables at this batch"
     )
     args = parser.parse_args(argv)
+    if args.decoders:
+        rows = compare_decoders(args.model, args.repeats)
+        if args.out:
+            result = {"machine": machine_info("cpu"), "decoders": rows}
+            args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
+        return
     batches = [int(b) for b in args.batches.split(",")]
     options = {}
     if args.fast:
         from common import fast_engine_options
 
         options = fast_engine_options(args.device)
+    if args.dtype:
+        options["dtype"] = args.dtype
     max_rows = max(batches + [args.profile or 0])
     engine, ar_call, decode_call = build(args.model, args.device, max_rows, args.context, options)
     if args.profile:

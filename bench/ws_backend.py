@@ -58,6 +58,7 @@ class WsBackend:
         cmd = [exe, "serve", "--model", self.model, "--voices", str(voices)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", self.device]
         cmd += ["--fallback-preset", "none"]
+        cmd += ["--max-streams-per-client", "0"]  # every bench client is one address
         if self.ray:
             cmd += ["--ray", "--replicas", "1", "--ray-streams-per-connection", "1"]
         self.base = f"http://127.0.0.1:{port}"

@@ -1,22 +1,37 @@
-"""intone's inference engine: the Pocket TTS model, one-request generation, the batched engine."""
+"""intone's inference engine: the Pocket TTS model, one-request generation, the batched engine.
 
-from intone.engine.engine import Engine, EngineConfig
-from intone.engine.errors import (
-    EmptyTextError,
-    EngineClosedError,
-    EngineError,
-    EngineFailedError,
-    EngineFullError,
-    IdleTimeoutError,
-    InvalidOptionError,
-    StreamClosedError,
-    TextTooLongError,
-    UnknownModelError,
-    UnknownVoiceError,
-)
-from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
-from intone.engine.options import GenerationOptions
-from intone.engine.stream import AudioChunk, ClauseDone, Stream
+Names are imported on first use, so that `intone.engine.errors` and `intone.engine.options`
+(standard library only) can be used by the protocol module and the client without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AudioChunk": "intone.engine.events",
+    "ClauseDone": "intone.engine.events",
+    "EmptyTextError": "intone.engine.errors",
+    "Engine": "intone.engine.engine",
+    "EngineClosedError": "intone.engine.errors",
+    "EngineConfig": "intone.engine.engine",
+    "EngineError": "intone.engine.errors",
+    "EngineFailedError": "intone.engine.errors",
+    "EngineFullError": "intone.engine.errors",
+    "GenerationOptions": "intone.engine.options",
+    "Health": "intone.engine.engine",
+    "IdleTimeoutError": "intone.engine.errors",
+    "InvalidOptionError": "intone.engine.errors",
+    "LoadedModel": "intone.engine.loading",
+    "ModelUnavailableError": "intone.engine.loading",
+    "Stream": "intone.engine.stream",
+    "StreamClosedError": "intone.engine.errors",
+    "TextTooLongError": "intone.engine.errors",
+    "UnknownModelError": "intone.engine.errors",
+    "UnknownVoiceError": "intone.engine.errors",
+    "load_model": "intone.engine.loading",
+}
 
 __all__ = [
     "AudioChunk",
@@ -29,6 +44,7 @@ __all__ = [
     "EngineFailedError",
     "EngineFullError",
     "GenerationOptions",
+    "Health",
     "IdleTimeoutError",
     "InvalidOptionError",
     "LoadedModel",
@@ -40,3 +56,33 @@ __all__ = [
     "UnknownVoiceError",
     "load_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from intone.engine.engine import Engine, EngineConfig, Health
+    from intone.engine.errors import (
+        EmptyTextError,
+        EngineClosedError,
+        EngineError,
+        EngineFailedError,
+        EngineFullError,
+        IdleTimeoutError,
+        InvalidOptionError,
+        StreamClosedError,
+        TextTooLongError,
+        UnknownModelError,
+        UnknownVoiceError,
+    )
+    from intone.engine.events import AudioChunk, ClauseDone
+    from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
+    from intone.engine.options import GenerationOptions
+    from intone.engine.stream import Stream

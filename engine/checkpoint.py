@@ -75,7 +75,7 @@ TINY_FAMILIES = {
     "tiny-24l": "german_24l",  # the 24-layer releases
     "tiny-2026-01": "english_2026-01",  # no BOS before the voice, inner_dim, space padding
     "tiny-drifting": "english_drifting_26-09",  # one-step drifting head
-    "tiny-small": "english_18m_2026-10",  # d_model 512 family: z_dim, asymmetric Mimi decoder
+    "tiny-small": "english_18m_2026-10",  # small family: drifting, z_dim, asymmetric decoder
     "tiny-gqa": "english_7m_2026-10",  # + grouped-query attention, attn_dim, low-rank table
     "tiny-pointwise": "english_2m_2026-10",  # + pointwise head, dim_feedforward, one KV head
 }

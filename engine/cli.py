@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
+    serve.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may go without text or audio before it ends (0: never)",
+    )
     serve.add_argument("--kv-memory-mb", type=float, default=256.0)
     serve.add_argument("--device", default="cpu")
     from intone.provider.server.ray_serve import add_ray_arguments  # intone serve --ray

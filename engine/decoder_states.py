@@ -1,8 +1,12 @@
 """Per-request Mimi decoder histories, kept as rows of one preallocated state.
 
-Each active request owns a row (a slot). A decode batch gathers its requests' rows into a
-contiguous batch state, runs, and scatters the advanced rows back, so requests that share a batch
-never see each other's history. A slot is reset to a fresh history when it is handed out.
+Each active request owns a row (a slot); a request that gives its row up between clauses (it has
+no text yet, or it is far ahead of playback) keeps a saved copy of its history instead. A decode
+batch gathers its requests' rows into a contiguous batch state, runs, and scatters the advanced
+rows back, so requests that share a batch never see each other's history. Entries the decoder
+names in `in_place_state` are not copied: the batch state holds the whole pool tensor and `ROWS`
+the batch's slots, and the decoder reads and writes those rows in place. A slot is reset to a
+fresh history when it is handed out.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from typing import Protocol
 import torch
 
 from intone.engine.models.pocket.conv import State
+from intone.engine.models.pocket.gemm_decoder import ROWS
 
 
 class Decoder(Protocol):
     """What decodes latents with explicit per-row state: `Mimi` itself, or its `GemmDecoder`."""
 
     def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State: ...
+
+    in_place_state: frozenset[str]
 
     def decode(self, latents: torch.Tensor, state: State) -> torch.Tensor: ...
 
@@ -27,6 +34,7 @@ class DecoderStatePool:
         self.rows = decoder.init_decoder_state(num_slots, device)
         self.fresh = decoder.init_decoder_state(1, device)
         self.num_slots = num_slots
+        self.in_place = decoder.in_place_state
         self.free_slots = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -42,9 +50,24 @@ class DecoderStatePool:
     def release(self, slot: int) -> None:
         self.free_slots.append(slot)
 
+    def save(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of a row's history, for a request that gives its row up between clauses."""
+        return {name: tensor[slot].clone() for name, tensor in self.rows.items()}
+
+    def restore(self, slot: int, saved: dict[str, torch.Tensor]) -> None:
+        for name, tensor in self.rows.items():
+            tensor[slot] = saved[name]
+
     def gather(self, slots: torch.Tensor) -> State:
-        return {name: tensor.index_select(0, slots) for name, tensor in self.rows.items()}
+        state = {
+            name: tensor if name in self.in_place else tensor.index_select(0, slots)
+            for name, tensor in self.rows.items()
+        }
+        if self.in_place:
+            state[ROWS] = slots
+        return state
 
     def scatter(self, slots: torch.Tensor, state: State) -> None:
         for name, tensor in self.rows.items():
-            tensor.index_copy_(0, slots, state[name])
+            if name not in self.in_place:
+                tensor.index_copy_(0, slots, state[name])

@@ -1,10 +1,17 @@
 """The decoder component: turns latents into audio, batching whatever is ready.
 
-It runs on its own thread, at its own pace. The AR thread puts three kinds of items on its queue,
-in each request's order: a latent, the end of a clause, and the end of the request. Each decode
-call takes the ready latents of up to `max_batch` requests, gathers each request's own decoder
-history, decodes them as one batch and scatters the histories back. When a request has several
-latents waiting, as after a burst, a call decodes up to `max_frames_per_call` of them per row.
+It runs on its own thread, at its own pace. The AR thread puts four kinds of items on its queue,
+in each request's order: a latent, the end of a clause, a park (the request gives its decoder row
+up until it has text again: its history is saved) and the end of the request. Before every
+decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
+goes into the very next call. A call decodes rows that have the same number of latents waiting
+(up to `max_frames_per_call` each, as after a burst), the group holding a stream's first frame
+first; rows are never held back to the smallest backlog.
+
+A decode call that fails is retried row by row on the same latents (a row's history advances only
+when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
+Any other error in the loop is the decoder stage's own: `on_fatal` fails the engine, so no stream
+waits on a dead thread.
 """
 
 from __future__ import annotations
@@ -12,18 +19,18 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from intone.engine.errors import EngineError
+from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.sequence import Request, now
-from intone.engine.stream import AudioChunk, ClauseDone
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +49,18 @@ class ClauseEndItem:
 
 
 @dataclass
+class ParkItem:
+    request: Request
+
+
+@dataclass
 class FinishItem:
     request: Request
     cancelled: bool
     error: Exception | None = None
 
 
-Item = LatentItem | ClauseEndItem | FinishItem
+Item = LatentItem | ClauseEndItem | ParkItem | FinishItem
 
 
 class DecoderWorker:
@@ -59,27 +71,34 @@ class DecoderWorker:
         sample_rate: int,
         max_batch: int,
         max_frames_per_call: int,
-        on_clause_delivered: Callable[[Request], None],
         on_released: Callable[[Request], None],
+        on_finished: Callable[[Request, FinishItem], None],
+        on_failed: Callable[[Request, Exception], None],
+        on_fatal: Callable[[str, BaseException], None],
     ):
         self.runner = runner
         self.metrics = metrics
         self.sample_rate = sample_rate
         self.max_batch = max_batch
         self.max_frames_per_call = max_frames_per_call
-        self.on_clause_delivered = on_clause_delivered
         self.on_released = on_released
+        self.on_finished = on_finished
+        self.on_failed = on_failed
+        self.on_fatal = on_fatal
         self.queue: queue.Queue[Item | None] = queue.Queue()
-        # Per request, its items not handled yet, in order; and the requests holding a row.
+        # Per request, its items not handled yet, in order; and the requests it knows.
         self._pending: dict[str, deque[Item]] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stop = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopping = True
         self.queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -88,47 +107,71 @@ class DecoderWorker:
     def put(self, item: Item) -> None:
         self.queue.put(item)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _loop(self) -> None:
-        stop = False
-        while not stop:
-            items = [self.queue.get()]
-            while True:
-                try:
-                    items.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            for item in items:
-                if item is None:
-                    stop = True
-                else:
-                    self._pending.setdefault(item.request.id, deque()).append(item)
-                    self._requests[item.request.id] = item.request
+        try:
+            self._serve()
+        except BaseException as e:
+            logger.exception("the decoder stage failed")
+            self.on_fatal(f"decoder stage failed: {e!r}", e)
+            return
+        if not self._stopping:
+            self.on_fatal("the decoder thread stopped", None)
+
+    def _serve(self) -> None:
+        while not self._stop:
+            self._take(self.queue.get())
             self._drain()
         for request in self._requests.values():
             self._release(request)
         self._pending.clear()
         self._requests.clear()
 
+    def _take(self, item: Item | None) -> None:
+        if item is None:
+            self._stop = True
+        else:
+            self._pending.setdefault(item.request.id, deque()).append(item)
+            self._requests[item.request.id] = item.request
+
+    def _pull(self) -> None:
+        """Everything that arrived since the last look, without waiting."""
+        while True:
+            try:
+                self._take(self.queue.get_nowait())
+            except queue.Empty:
+                return
+
     def _drain(self) -> None:
         while self._pending:
+            self._pull()
             self._run_control_items()
-            ready = [
-                items
-                for items in self._pending.values()
-                if items and isinstance(items[0], LatentItem)
-            ][: self.max_batch]
-            if not ready:
+            rows = self._next_rows()
+            if not rows:
                 return
-            # Every row of a call advances by the same number of frames.
-            frames = min(self._leading_latents(items) for items in ready)
-            rows = [[items.popleft() for _ in range(frames)] for items in ready]
-            try:
-                self._decode(rows)
-            except Exception as e:
-                logger.exception("decode failed")
-                for row in rows:
-                    row[0].request.cancelled = True
-                    row[0].request.sink(EngineError(str(e)))
+            for row, audio in self._decode_with_retry(rows):
+                self._deliver(row, audio)
+
+    def _next_rows(self) -> list[list[LatentItem]]:
+        """The rows of the next call: the requests with the same number of leading latents,
+        the group with a stream's first frame first, else the group with the most frames."""
+        groups: dict[int, list[deque[Item]]] = {}
+        first: set[int] = set()
+        for items in self._pending.values():
+            count = self._leading_latents(items)
+            if count:
+                groups.setdefault(count, []).append(items)
+                if items[0].request.frames_delivered == 0:
+                    first.add(count)
+        if not groups:
+            return []
+        count = max(groups, key=lambda c: (c in first, c * len(groups[c])))
+        return [
+            [items.popleft() for _ in range(count)] for items in groups[count][: self.max_batch]
+        ]
 
     def _leading_latents(self, items: deque[Item]) -> int:
         count = 0
@@ -138,28 +181,57 @@ class DecoderWorker:
             count += 1
         return count
 
+    def _decode_with_retry(
+        self, rows: list[list[LatentItem]]
+    ) -> list[tuple[list[LatentItem], torch.Tensor]]:
+        """Decode `rows` together; if that fails, each alone, failing only rows that fail alone."""
+        try:
+            return list(zip(rows, self._decode(rows), strict=True))
+        except Exception as e:
+            if len(rows) == 1:
+                self._fail(rows[0], e)
+                return []
+            logger.warning(
+                "a decode call of %d rows failed (%r); retrying row by row", len(rows), e
+            )
+        done = []
+        for row in rows:
+            try:
+                done.append((row, self._decode([row])[0]))
+            except Exception as e:
+                self._fail(row, e)
+        return done
+
+    def _fail(self, row: list[LatentItem], error: Exception) -> None:
+        request = row[0].request
+        logger.error("decoding %s failed: %r", request.id, error, exc_info=error)
+        self.on_failed(request, error)
+
     def _run_control_items(self) -> None:
         for request_id in list(self._pending):
             items = self._pending[request_id]
             request = self._requests[request_id]
-            while items and (request.cancelled or not isinstance(items[0], LatentItem)):
+            while items and (dropped(request) or not isinstance(items[0], LatentItem)):
                 item = items.popleft()
                 if isinstance(item, LatentItem):
-                    continue  # cancelled: its latents are not worth decoding
+                    continue  # cancelled or failed: its latents are not worth decoding
                 if isinstance(item, ClauseEndItem):
-                    if not request.cancelled:
+                    if not dropped(request):
                         request.sink(item.event)
-                    self.on_clause_delivered(request)
+                elif isinstance(item, ParkItem):
+                    if request.decoder_slot is not None:
+                        request.decoder_saved = self.runner.decoder_states.save(
+                            request.decoder_slot
+                        )
+                    self._release(request)
+                    self.on_released(request)
                 else:
                     items.clear()
                     self._release(request)
                     del self._requests[request_id]
-                    if item.error is not None:
-                        request.sink(item.error)
-                    else:
+                    if item.error is None:
                         self.metrics.finished(request.metrics, cancelled=item.cancelled)
-                        if not item.cancelled:
-                            request.sink(None)
+                    self.on_finished(request, item)
             if not items:
                 del self._pending[request_id]
 
@@ -167,26 +239,42 @@ class DecoderWorker:
         if request.decoder_slot is not None:
             self.runner.decoder_states.release(request.decoder_slot)
             request.decoder_slot = None
-        self.on_released(request)
 
-    def _decode(self, rows: list[list[LatentItem]]) -> None:
+    def _decode(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+        """Audio [rows, frames * samples_per_frame] on the host."""
+        states = self.runner.decoder_states
         for row in rows:
-            if row[0].request.decoder_slot is None:
-                row[0].request.decoder_slot = self.runner.decoder_states.acquire()
+            request = row[0].request
+            if request.decoder_slot is None:
+                request.decoder_slot = states.acquire()
+                if request.decoder_saved is not None:
+                    states.restore(request.decoder_slot, request.decoder_saved)
+                    request.decoder_saved = None
         slots = [row[0].request.decoder_slot for row in rows]
         latents = torch.stack([torch.stack([item.latent for item in row]) for row in rows])
+        started = time.perf_counter()
         audio = self.runner.decode(slots, latents).cpu()
-        self.metrics.batch("decode", len(rows))
-        for row, samples in zip(rows, audio, strict=True):
-            request = row[0].request
-            frame_size = samples.shape[-1] // len(row)
-            for index, item in enumerate(row):
-                frame = samples[index * frame_size : (index + 1) * frame_size]
-                if request.frames_delivered == 0:
-                    frame = fade_in(frame, self.sample_rate)
-                    request.metrics.first_audio_at = now()
-                request.frames_delivered += 1
-                request.metrics.audio_samples += frame.numel()
-                self.metrics.audio(frame.numel() / self.sample_rate)
-                if not request.cancelled:
-                    request.sink(AudioChunk(frame.numpy(), item.clause))
+        self.metrics.step("decode", len(rows), time.perf_counter() - started)
+        return audio
+
+    def _deliver(self, row: list[LatentItem], samples: torch.Tensor) -> None:
+        request = row[0].request
+        frame_size = samples.shape[-1] // len(row)
+        for index, item in enumerate(row):
+            frame = samples[index * frame_size : (index + 1) * frame_size]
+            delivered_at = now()
+            if request.frames_delivered == 0:
+                frame = fade_in(frame, self.sample_rate)
+                request.metrics.first_audio_at = delivered_at
+            request.frames_delivered += 1
+            request.metrics.audio_samples += frame.numel()
+            seconds = frame.numel() / self.sample_rate
+            request.playback.deliver(seconds, delivered_at)
+            self.metrics.audio(seconds)
+            if not dropped(request):
+                request.sink(AudioChunk(frame.numpy(), item.clause))
+
+
+def dropped(request: Request) -> bool:
+    """Nothing more of this request is worth decoding or delivering."""
+    return request.cancelled or request.error is not None

@@ -4,6 +4,16 @@ The AR thread admits requests, prefills their clauses in packed passes and advan
 generating request one latent per step; each latent goes to the decoder worker
 (`decoder_worker.py`), which batches whatever is ready and hands the audio to the request's
 `Stream` on the caller's own event loop.
+
+Faults stay local. A batched step that fails is retried row by row on what it already consumed
+(the pages it extended, the noise it drew), so only the request that fails alone ends, with an
+`EngineFailedError`. An error that cannot be pinned on a request, in either stage's loop, fails
+the engine: every open stream ends at once with an `EngineFailedError`, `health()` says why, and
+new streams are refused.
+
+Page bookkeeping (`BlockManager`, the scheduler's queues and voices) is only ever touched under
+the engine lock, by whichever thread: the AR thread, `add_voice` and `stream()`. Tensor steps
+run outside it.
 """
 
 from __future__ import annotations
@@ -13,25 +23,44 @@ import itertools
 import logging
 import os
 import threading
-from collections import deque
+import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.decoder_worker import ClauseEndItem, DecoderWorker, FinishItem, LatentItem
-from intone.engine.errors import EngineError, EngineFullError
+from intone.engine.decoder_worker import (
+    ClauseEndItem,
+    DecoderWorker,
+    FinishItem,
+    LatentItem,
+    ParkItem,
+)
+from intone.engine.errors import (
+    EmptyTextError,
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineFullError,
+    IdleTimeoutError,
+    InvalidOptionError,
+    TextTooLongError,
+    UnknownVoiceError,
+)
+from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.precision import resolve_precision
-from intone.engine.scheduler import Scheduler, VoicePrefix
+from intone.engine.scheduler import Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
-from intone.engine.stream import AudioChunk, ClauseDone, Stream
+from intone.engine.stream import Stream
 from intone.engine.text import ClauseSplitter
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice, load_voice
@@ -43,10 +72,25 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineFullError",
+    "Health",
     "Stream",
 ]
 
 logger = logging.getLogger(__name__)
+
+State = Literal["new", "running", "closing", "closed", "failed"]
+
+# How often the AR thread looks again while pacing holds a stream back: playback and reading
+# move on without telling it.
+PACING_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether the engine can serve: `reason` says why not (for /healthz and the logs)."""
+
+    ok: bool
+    reason: str | None = None
 
 
 @dataclass
@@ -67,8 +111,21 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
-    max_active: int = 16  # requests generating at once (AR batch and decoder rows)
-    max_queued: int = 256  # requests waiting for admission
+    max_active: int = 16  # rows: requests generating at once (AR batch and decoder rows)
+    max_queued: int = 256  # requests with text waiting for a row
+    # Open streams. One with no text pending holds no row and no queue place, only this.
+    max_streams: int = 1024
+    # A stream with no text pushed and no audio pending or in flight for this long ends with
+    # IdleTimeoutError; None disables it. The server sets its own (30 s by default).
+    idle_timeout_s: float | None = 300.0
+    # Playback pacing: a stream more than lead_s seconds of audio ahead of its playback takes
+    # no AR steps until playback catches up. None: as fast as possible (offline rendering).
+    lead_s: float | None = 2.0
+    # A stream whose consumer has this many seconds of audio unread stops generating (it is
+    # not dropped) until the consumer reads; None: unbounded.
+    max_unread_s: float | None = 10.0
+    # Rows one tenant (`Engine.stream(tenant=...)`) may hold; the others are served first.
+    max_rows_per_tenant: int | None = None
     max_prefill_tokens: int = 2048  # positions per packed prefill pass
     max_text_chars: int = 20_000  # per request
     max_frames: int | None = None  # per clause, on top of the model's own estimate
@@ -82,9 +139,15 @@ class EngineConfig:
     def validate(self) -> None:
         resolve_precision(self.dtype, self.device)
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
-        for name in positive + ("max_decode_frames",):
+        for name in positive + ("max_decode_frames", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
+        if self.max_rows_per_tenant is not None and self.max_rows_per_tenant < 1:
+            raise ValueError("EngineConfig.max_rows_per_tenant must be >= 1 or None")
+        for name in ("idle_timeout_s", "lead_s", "max_unread_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0 or None")
 
 
 class Engine:
@@ -124,15 +187,28 @@ class Engine:
             thread_budget=budget,
         )
         self.scheduler = Scheduler(
-            self.runner, self.blocks, config.max_active, config.max_prefill_tokens
+            self.runner,
+            self.blocks,
+            config.max_active,
+            config.max_prefill_tokens,
+            config.max_rows_per_tenant,
         )
+        # Guards the scheduler, the block manager, `_open` and the lifecycle state.
         self._lock = threading.Condition()
-        self._delivered: deque[Request] = deque()
         self._ids = itertools.count()
-        self._running = False
+        self._state: State = "new"
+        self._failure: str | None = None
+        # Requests whose stream has not had its final event yet, whatever stage holds them.
+        self._open: dict[str, Request] = {}
         self._ar_thread: threading.Thread | None = None
+        self._frame_seconds = self.model.samples_per_frame / self.sample_rate
+        self._rows_generating = 0
+        self._streams_paced = 0
         self._metrics = EngineMetrics(
             {
+                "streams_open": lambda: len(self._open),
+                "rows_generating": lambda: self._rows_generating,
+                "streams_paced": lambda: self._streams_paced,
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
@@ -140,7 +216,8 @@ class Engine:
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
                 "decoder_queue_depth": lambda: self.decoder.queue.qsize(),
-            }
+            },
+            leads=self._leads,
         )
         self.decoder = DecoderWorker(
             self.runner,
@@ -148,8 +225,10 @@ class Engine:
             self.sample_rate,
             max_batch=config.max_active,
             max_frames_per_call=config.max_decode_frames,
-            on_clause_delivered=self._clause_delivered,
             on_released=self._decoder_released,
+            on_finished=self._decoder_finished,
+            on_failed=self._decode_failed,
+            on_fatal=self._fail,
         )
         for name, source in loaded.voices.items():
             if name == loaded.default_voice:
@@ -169,28 +248,36 @@ class Engine:
     # ---- lifecycle
 
     def start(self) -> Engine:
-        if self._running:
-            return self
-        self._running = True
-        self._ar_thread = threading.Thread(target=self._ar_loop, name="intone-ar", daemon=True)
+        with self._lock:
+            if self._state == "running":
+                return self
+            if self._state != "new":
+                raise EngineClosedError(f"the engine is {self._state}; make a new one")
+            self._state = "running"
+        self._ar_thread = threading.Thread(target=self._ar_main, name="intone-ar", daemon=True)
         self._ar_thread.start()
         self.decoder.start()
         return self
 
     def close(self) -> None:
-        """Stop the threads; streams still open end with an EngineError."""
+        """Stop the threads. Every stream still open ends with EngineClosedError (or the
+        engine's failure); `stream()` raises EngineClosedError from the moment this starts."""
         with self._lock:
-            open_requests = list(self.scheduler.waiting) + list(self.scheduler.running)
-            for request in open_requests:
-                request.cancelled = True
-            self._running = False
+            if self._state in ("closing", "closed"):
+                return
+            if self._state != "failed":
+                self._state = "closing"
             self._lock.notify_all()
         if self._ar_thread is not None:
             self._ar_thread.join(timeout=10)
             self._ar_thread = None
         self.decoder.stop()
+        with self._lock:
+            open_requests = list(self._open.values())
+            if self._state == "closing":
+                self._state = "closed"
         for request in open_requests:
-            request.sink(EngineError("the engine was closed"))
+            self._end(request, self._shutdown_error())
 
     def __enter__(self) -> Engine:
         return self.start()
@@ -198,40 +285,111 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def health(self) -> Health:
+        """ok while the engine serves; otherwise the reason (failure, dead thread, closed)."""
+        with self._lock:
+            state, failure = self._state, self._failure
+        if failure is not None:
+            return Health(False, failure)
+        if state == "new":
+            return Health(False, "the engine is not started")
+        if state != "running":
+            return Health(False, f"the engine is {state}")
+        for name, alive in (
+            ("AR", self._ar_thread is not None and self._ar_thread.is_alive()),
+            ("decoder", self.decoder.alive),
+        ):
+            if not alive:
+                reason = f"the {name} thread is dead"
+                self._fail(reason, None)
+                return Health(False, reason)
+        return Health(True)
+
+    def _fail(self, reason: str, cause: BaseException | None) -> None:
+        """An error no request can be blamed for: end every open stream now, refuse new ones."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+            self._state = "failed"
+            open_requests = list(self._open.values())
+            self._lock.notify_all()
+        logger.error("the engine failed: %s; ending %d open streams", reason, len(open_requests))
+        for request in open_requests:
+            self._end(request, self._shutdown_error(cause))
+
+    def _shutdown_error(self, cause: BaseException | None = None) -> EngineError:
+        if self._failure is not None:
+            error: EngineError = EngineFailedError(f"the engine failed: {self._failure}")
+            error.__cause__ = cause
+            return error
+        return EngineClosedError("the engine was closed")
+
+    def _end(self, request: Request, event: Exception | None, silent: bool = False) -> None:
+        """Give the request's stream its final event, exactly once, from any thread."""
+        with self._lock:
+            if self._open.pop(request.id, None) is None:
+                return
+        if not silent:
+            request.sink(event)
+
     # ---- voices
 
     @property
     def voices(self) -> list[str]:
-        return sorted(self.scheduler.voices)
+        with self._lock:
+            return sorted(self.scheduler.voices)
 
     def add_voice(self, name: str, source: str | Path | Voice) -> None:
-        """Register a voice from audio, a voice-state file or a computed Voice; prefilled once."""
+        """Register a voice from audio, a voice-state file or a computed Voice; prefilled once.
+
+        Replacing a voice is transactional: the new voice's pages are allocated and written
+        first, and only then swapped in; if that fails the old voice is intact and nothing
+        leaks. A pool too full for the voice raises EngineFullError.
+        """
         voice = source if isinstance(source, Voice) else load_voice(self.model, name, source)
         with self._lock:
-            old = self.scheduler.voices.pop(name, None)
-            self.scheduler.voices[name] = VoicePrefix(name, self.runner.add_voice(voice))
+            try:
+                table = self.blocks.allocate(voice.length)
+            except MemoryError as e:
+                raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
+            try:
+                self.runner.write_voice(table, voice)
+            except Exception as e:
+                self.blocks.release(table)
+                raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
+            old = self.scheduler.set_voice(name, table)
             if old is not None:
-                self.blocks.release(old.table)  # requests using it hold their own references
+                self.blocks.release(old)  # requests using it hold their own references
 
     # ---- requests
 
-    def stream(self, voice: str | None = None, options: GenerationOptions | None = None) -> Stream:
-        """A new text stream. Raises at once on bad options, an unknown voice or a full queue."""
-        options = options or GenerationOptions(chain_frames=self.config.default_chain_frames)
-        options.validate()
+    def stream(
+        self,
+        voice: str | None = None,
+        options: GenerationOptions | None = None,
+        tenant: str | None = None,
+    ) -> Stream:
+        """A new text stream. Raises at once: InvalidOptionError, UnknownVoiceError,
+        EngineFullError (retryable), EngineClosedError, EngineFailedError.
+
+        `tenant`: who the stream is for (a caller, an API key); with
+        `EngineConfig.max_rows_per_tenant`, one tenant's streams hold at most that many rows
+        while others wait."""
+        if options is None:
+            options = GenerationOptions(chain_frames=self.config.default_chain_frames)
+        else:
+            # A private copy, validated again: the caller's object may have been changed since
+            # it was built, and must not change this stream later.
+            options = replace(options)
         if options.flow_steps != self.config.flow_steps:
-            raise ValueError(
+            raise InvalidOptionError(
                 f"this engine runs {self.config.flow_steps} flow step(s); got {options.flow_steps}"
             )
-        voice = voice or self.default_voice
-        if voice is None or voice not in self.scheduler.voices:
-            raise ValueError(f"unknown voice {voice!r}; known voices: {self.voices}")
-        if not self._running:
-            raise RuntimeError("the engine is not running: call start()")
         model_config = self.loaded.config
         request = Request(
             id=f"req-{next(self._ids)}",
-            voice=voice,
+            voice=voice or self.default_voice or "",
             temperature=(
                 model_config.default_temperature
                 if options.temperature is None
@@ -246,8 +404,9 @@ class Engine:
             chain_frames=options.chain_frames,
             generator=make_generator(options.seed),
             metrics=RequestMetrics(submitted_at=now(), sample_rate=self.sample_rate),
+            options=options,
+            tenant=tenant,
         )
-        request.options = options
         splitter = ClauseSplitter(
             self.loaded.tokenizer,
             min_tokens=self.config.clause_min_tokens,
@@ -255,19 +414,42 @@ class Engine:
             max_tokens=self.config.clause_max_tokens,
         )
         stream = Stream(self, request, splitter)
-        request.sink = stream._post
+        request.sink = stream.post
         with self._lock:
+            self._check_serving()
+            if request.voice not in self.scheduler.voices:
+                raise UnknownVoiceError(
+                    f"unknown voice {voice!r}; known voices: {sorted(self.scheduler.voices)}"
+                )
+            # The smallest clause (one token, one frame) must fit beside the chaining tail.
+            pages = self.scheduler.clause_pages(request.voice, options.chain_frames + 1, 1)
+            if pages > self.scheduler.clause_capacity():
+                raise InvalidOptionError(
+                    f"chain_frames={options.chain_frames} does not fit in this engine's KV pool"
+                )
+            if len(self._open) >= self.config.max_streams:
+                raise EngineFullError(f"{self.config.max_streams} streams already open")
             if len(self.scheduler.waiting) >= self.config.max_queued:
                 raise EngineFullError(f"{self.config.max_queued} requests already queued")
-            self.scheduler.waiting.append(request)
+            self.scheduler.add(request)
+            self._open[request.id] = request
         return stream
+
+    def _check_serving(self) -> None:
+        if self._state == "running":
+            return
+        if self._state == "failed":
+            raise EngineFailedError(f"the engine failed: {self._failure}")
+        if self._state == "new":
+            raise EngineClosedError("the engine is not running: call start()")
+        raise EngineClosedError(f"the engine is {self._state}")
 
     async def synthesize(
         self, text: str, voice: str | None = None, options: GenerationOptions | None = None
     ) -> np.ndarray:
         """The whole audio of `text`, float32 at the model's rate."""
         if not text.strip():
-            raise ValueError("text is empty")
+            raise EmptyTextError("text is empty")
         stream = self.stream(voice, options)
         try:
             stream.push_text(text)
@@ -278,37 +460,53 @@ class Engine:
             raise
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
-    def _plan(self, request: Request, text: str) -> ClausePlan:
-        options = replace(request.options)
+    # ---- what a Stream asks of its engine
+
+    def plan(self, request: Request, text: str) -> ClausePlan:
+        """The plan of one clause of `request`; TextTooLongError if it could never fit."""
+        options = request.options
         if self.config.max_frames is not None:
-            options.max_frames = min(
-                options.max_frames or self.config.max_frames, self.config.max_frames
+            options = replace(
+                options,
+                max_frames=min(
+                    options.max_frames or self.config.max_frames, self.config.max_frames
+                ),
             )
         plan = plan_clause(self.loaded, text, options)
-        pages = self.scheduler.clause_pages(
-            request.voice, request.chain_frames + len(plan.tokens), plan.max_frames
-        )
-        capacity = self.scheduler.clause_capacity()
+        with self._lock:
+            pages = self.scheduler.clause_pages(
+                request.voice, request.chain_frames + len(plan.tokens), plan.max_frames
+            )
+            capacity = self.scheduler.clause_capacity()
         if pages > capacity:
-            raise ValueError(
+            raise TextTooLongError(
                 f"a clause needs {pages} KV pages but only {capacity} of the pool's "
                 f"{self.blocks.num_pages} are not held by voices: raise num_pages or lower "
                 "max_frames"
             )
         return plan
 
-    def _submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
+    def submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
+        """Queue planned clauses of `request`; `end`: no more will come."""
         with self._lock:
             request.pending.extend(clauses)
             request.input_ended |= end
+            request.last_text_at = now()
             if request.metrics.clauses == 0 and clauses:
                 request.metrics.submitted_at = now()
             request.metrics.clauses += len(clauses)
+            if request.pending:
+                self.scheduler.ready(request)
             self._lock.notify_all()
 
-    def _cancel(self, request: Request) -> None:
+    def cancel(self, request: Request) -> None:
         with self._lock:
             request.cancelled = True
+            self._lock.notify_all()
+
+    def wake(self) -> None:
+        """Something pacing depends on changed (a playback report, audio read): look again."""
+        with self._lock:
             self._lock.notify_all()
 
     # ---- metrics
@@ -319,103 +517,282 @@ class Engine:
     def prometheus(self) -> bytes:
         return self._metrics.prometheus()
 
+    def reset_rates(self) -> None:
+        """Restart the batch means, step times and throughputs (e.g. after a warm-up)."""
+        self._metrics.reset_rates()
+
     def is_idle(self) -> bool:
         m = self.metrics()
         return m["active_requests"] == 0 and m["queued_requests"] == 0
 
     # ---- AR thread
 
+    def _ar_main(self) -> None:
+        try:
+            self._ar_loop()
+        except BaseException as e:
+            logger.exception("the AR stage failed")
+            self._fail(f"AR stage failed: {e!r}", e)
+            return
+        with self._lock:
+            stopped_while_running = self._state == "running"
+        if stopped_while_running:
+            self._fail("the AR thread stopped", None)
+
     def _ar_loop(self) -> None:
+        last = now()
         while True:
             with self._lock:
-                batch = None
-                while self._running:
-                    self._handle_deliveries()
-                    self._retire_requests()
-                    batch = self.scheduler.schedule()
+                while True:
+                    if self._state != "running":
+                        self._release_all()
+                        return
+                    t = now()
+                    self._retire_requests(t)
+                    # Held streams, with a row or parked for pacing: while there are any, the
+                    # thread polls (playback moves on without telling it).
+                    held = sum(
+                        self._held(r, t)
+                        for r in [*self.scheduler.running, *self.scheduler.waiting]
+                        if r.frames_generated
+                    )
+                    self._metrics_paced(held, t - last)
+                    last = t
+                    batch = self.scheduler.schedule(
+                        partial(self._held, t=t), partial(self._lead, t=t)
+                    )
+                    for request in batch.parked:
+                        self.decoder.put(ParkItem(request))
+                    for request, error in batch.failed:
+                        self._finish(request, error=failed("starting a clause", error))
                     if batch.prefill or batch.generate:
                         break
-                    self._lock.wait()
-                if not self._running:
-                    self._retire_requests()
-                    return
-            try:
-                self._run_batch(batch.prefill, batch.generate)
-            except Exception as e:  # a failed step fails its requests, not the engine
-                logger.exception("AR step failed")
-                with self._lock:
-                    for request in batch.prefill + batch.generate:
-                        self._finish(request, cancelled=False, error=EngineError(str(e)))
+                    self._rows_generating = 0
+                    if not (batch.failed or batch.parked):
+                        self._lock.wait(self._next_wake(t))
+            self._step(batch.prefill, batch.generate)
 
-    def _handle_deliveries(self) -> None:
-        """Clauses whose audio the decoder delivered: save the tail and free the pages."""
-        while self._delivered:
-            request = self._delivered.popleft()
-            if request.phase is Phase.DRAINING:
-                if request.chain_frames and request.latents:
-                    request.tail = torch.stack(request.latents[-request.chain_frames :])
-                self.scheduler.end_clause(request)
-                request.phase = Phase.IDLE
+    def _metrics_paced(self, held: int, elapsed: float) -> None:
+        if self._streams_paced and elapsed > 0:
+            self._metrics.paced(self._streams_paced * elapsed)
+        self._streams_paced = held
 
-    def _retire_requests(self) -> None:
-        for request in list(self.scheduler.waiting) + list(self.scheduler.running):
-            if request.cancelled:
+    # ---- pacing and idle streams
+
+    def _lead(self, request: Request, t: float) -> float:
+        """Seconds of the request's audio generated ahead of its playback."""
+        return request.frames_generated * self._frame_seconds - request.playback.position(t)
+
+    def _held(self, request: Request, t: float) -> bool:
+        """Pacing holds the request: far ahead of playback, or too much audio unread."""
+        limit = self.config.max_unread_s
+        if limit is not None and request.unread_seconds > limit:
+            return True
+        lead_s = self.config.lead_s
+        return lead_s is not None and self._lead(request, t) > lead_s
+
+    def _leads(self) -> list[float]:
+        t = now()
+        return [self._lead(r, t) for r in list(self.scheduler.running)]
+
+    def _idle_deadline(self, request: Request) -> float | None:
+        """When an idle request times out: no text pending and no audio pending or in flight."""
+        timeout = self.config.idle_timeout_s
+        if (
+            timeout is None
+            or request.pending
+            or request.phase is not Phase.WAITING
+            or request.id not in self.scheduler.idle
+            or request.id in self.scheduler.releasing
+        ):
+            return None
+        return max(request.last_text_at, request.playback.last_delivery_at or 0.0) + timeout
+
+    def _next_wake(self, t: float) -> float | None:
+        """How long the AR thread may sleep: until a held stream may go on (polled, since
+        playback and reading move on their own) or an idle stream times out."""
+        deadlines = [
+            d for r in self.scheduler.idle.values() if (d := self._idle_deadline(r)) is not None
+        ]
+        waits = [max(d - t, 0.0) for d in deadlines]
+        if self._streams_paced:
+            waits.append(PACING_POLL_S)
+        return min(waits) if waits else None
+
+    def _release_all(self) -> None:
+        """Stopping: every request still scheduled ends with the shutdown error."""
+        for request in self.scheduler.requests:
+            self._finish(request, error=self._shutdown_error())
+
+    def _retire_requests(self, t: float) -> None:
+        for request in self.scheduler.requests:
+            if request.error is not None:
+                self._finish(request, error=request.error)
+            elif request.cancelled:
                 self._finish(request, cancelled=True)
             elif (
                 request.input_ended
                 and not request.pending
                 and request.phase in (Phase.IDLE, Phase.WAITING)
             ):
-                self._finish(request, cancelled=False)
+                self._finish(request)
+            elif (deadline := self._idle_deadline(request)) is not None and t >= deadline:
+                self._metrics.idle_timeout()
+                timeout = self.config.idle_timeout_s
+                self._finish(
+                    request,
+                    error=IdleTimeoutError(
+                        f"no text and no audio for {timeout:g} s (the engine's idle timeout)"
+                    ),
+                )
 
-    def _finish(self, request: Request, cancelled: bool, error: Exception | None = None) -> None:
-        admitted = request in self.scheduler.running
-        self.scheduler.finish(request)
-        if admitted:
-            self.scheduler.releasing.add(request.id)
-            self.decoder.put(FinishItem(request, cancelled, error))
-        elif not cancelled:
-            request.sink(error)
-        if error is None:
+    def _finish(
+        self, request: Request, cancelled: bool = False, error: EngineError | None = None
+    ) -> None:
+        """Under the lock: drop the request from scheduling; its stream ends after its audio."""
+        if error is None and not cancelled:
             request.metrics.finished_at = now()
+        # A request the decoder has seen ends there, after the audio it still has queued.
+        if self.scheduler.release(request) or request.in_decoder:
+            self.decoder.put(FinishItem(request, cancelled, error))
+        else:
+            self._end(request, error, silent=cancelled)
 
-    def _run_batch(self, prefill: list[Request], generate: list[Request]) -> None:
+    def _fail_rows(self, stage: str, rows: list[tuple[Request, Exception]]) -> None:
+        if not rows:
+            return
+        with self._lock:
+            for request, error in rows:
+                logger.error("%s failed for %s: %r", stage, request.id, error, exc_info=error)
+                self._finish(request, error=failed(stage, error))
+
+    def _step(self, prefill: list[Request], generate: list[Request]) -> None:
+        """One prefill pass and one AR step; a failure is pinned on the rows that fail alone."""
         if prefill:
-            self.runner.prefill(prefill)
-            self._metrics.batch("prefill", len(prefill))
+            with self._lock:
+                for request in prefill:
+                    assert request.table is not None and request.prompt is not None
+                    self.blocks.extend(request.table, request.prompt.shape[0])
+            started = time.perf_counter()
+            done, failures = run_rows(self.runner.prefill, prefill)
+            self._metrics.step("prefill", len(prefill), time.perf_counter() - started)
+            self._fail_rows("prefill", failures)
             nan = torch.full((self.model.flow_lm.latent_dim,), float("nan"), device=self.device)
-            for request in prefill:
+            for request in done:
                 request.prompt = None
                 request.previous_latent = nan
                 request.phase = Phase.GENERATING
-            generate = generate + prefill
+            generate = generate + done
         if not generate:
             return
-        latents, eos_logits = self.runner.generate(generate)
-        self._metrics.batch("generate", len(generate))
-        eos = (eos_logits > torch.tensor([r.eos_threshold for r in generate])).tolist()
-        for request, latent, is_eos in zip(generate, latents, eos, strict=True):
-            assert request.progress is not None
+        rows, noise, failures = [], [], []
+        for request in generate:
+            try:
+                noise.append(self.runner.draw_noise(request))
+                rows.append(request)
+            except Exception as e:
+                failures.append((request, e))
+        self._fail_rows("drawing noise", failures)
+        if not rows:
+            return
+        with self._lock:
+            for request in rows:
+                assert request.table is not None
+                self.blocks.extend(request.table, 1)
+        noise_of = {request.id: row for request, row in zip(rows, noise, strict=True)}
+
+        def step(batch: list[Request]) -> list[tuple[torch.Tensor, bool]]:
+            latents, eos = self.runner.generate(batch, [noise_of[r.id] for r in batch])
+            return list(zip(latents, eos.tolist(), strict=True))
+
+        self._rows_generating = len(rows)
+        started = time.perf_counter()
+        done, failures = run_rows(step, rows)
+        self._metrics.step("generate", len(rows), time.perf_counter() - started)
+        self._fail_rows("AR step", failures)
+        ended = []
+        for request, (latent, is_eos) in done:
+            assert request.progress is not None and request.clause is not None
             keep = request.progress.advance(is_eos)
             if keep:
                 request.previous_latent = latent
                 request.latents.append(latent)
+                request.frames_generated += 1
+                request.in_decoder = True
                 self.decoder.put(LatentItem(request, latent, request.clause.index))
             if request.progress.ended:
-                request.phase = Phase.DRAINING
                 clause = request.clause
                 eos = request.progress.eos_step
-                done = ClauseDone(clause.index, clause.text, len(request.latents), eos)
-                self.decoder.put(ClauseEndItem(request, done))
+                done_event = ClauseDone(clause.index, clause.text, len(request.latents), eos)
+                request.in_decoder = True
+                self.decoder.put(ClauseEndItem(request, done_event))
+                ended.append(request)
+        if ended:
+            self._end_clauses(ended)
+
+    def _end_clauses(self, requests: list[Request]) -> None:
+        """Clauses the AR stage finished: the chaining tail is known now, so the pages go back
+        and the next clause may start at once; the decoder keeps each stream's audio in order."""
+        with self._lock:
+            for request in requests:
+                if request.chain_frames and request.latents:
+                    request.tail = torch.stack(request.latents[-request.chain_frames :])
+                self.scheduler.end_clause(request)
+                request.latents = []
+                request.phase = Phase.IDLE
 
     # ---- callbacks from the decoder worker
 
-    def _clause_delivered(self, request: Request) -> None:
+    def _decoder_released(self, request: Request) -> None:
+        """A parked request's decoder row is free (its history saved)."""
         with self._lock:
-            self._delivered.append(request)
+            self.scheduler.released(request)
             self._lock.notify_all()
 
-    def _decoder_released(self, request: Request) -> None:
+    def _decoder_finished(self, request: Request, item: FinishItem) -> None:
         with self._lock:
-            self.scheduler.releasing.discard(request.id)
+            self.scheduler.released(request)
             self._lock.notify_all()
+        error = item.error or request.error
+        self._end(request, error, silent=item.cancelled and error is None)
+
+    def _decode_failed(self, request: Request, error: Exception) -> None:
+        with self._lock:
+            if request.error is None:
+                request.error = failed("decoding", error)
+            self._lock.notify_all()
+
+
+def failed(stage: str, cause: Exception) -> EngineFailedError:
+    """The error a request ends with when `stage` failed for it alone."""
+    error = EngineFailedError(f"{stage} failed for this request: {cause!r}")
+    error.__cause__ = cause
+    return error
+
+
+def run_rows(step, rows: list[Request]) -> tuple[list, list[tuple[Request, Exception]]]:
+    """Run `step` on `rows` as one batch; if it fails, on each row alone.
+
+    `step(batch)` returns None or one result per row, and must be repeatable on the same rows
+    (the engine extends pages and draws noise before, once). Returns (request, result) pairs of
+    the rows that ran, or just the requests when `step` returns None, and the rows that failed
+    alone with their errors.
+    """
+
+    def pairs(batch: list[Request]) -> list:
+        results = step(batch)
+        return batch if results is None else list(zip(batch, results, strict=True))
+
+    try:
+        return pairs(rows), []
+    except Exception as e:
+        if len(rows) == 1:
+            return [], [(rows[0], e)]
+        logger.warning("a batched step of %d rows failed (%r); retrying row by row", len(rows), e)
+    done, failures = [], []
+    for request in rows:
+        try:
+            done += pairs([request])
+        except Exception as e:
+            failures.append((request, e))
+    return done, failures

@@ -1,4 +1,9 @@
-"""Engine metrics: a plain dict for callers and tests, Prometheus text for scrapers."""
+"""Engine metrics: a plain dict for callers and tests, Prometheus text for scrapers.
+
+Besides the batch sizes and throughput: how long AR steps and decode calls take (histograms),
+how far streams run ahead of playback (the distribution of their leads), how long pacing held
+streams back, idle timeouts, and streams open against rows generating.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +17,25 @@ from intone.engine.sequence import RequestMetrics
 
 STAGES = ("prefill", "generate", "decode")
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+STEP_SECONDS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+LEAD_QUANTILES = (0.0, 0.5, 0.9, 1.0)
 
 
 class EngineMetrics:
-    def __init__(self, gauges: dict[str, Callable[[], float]]):
+    def __init__(
+        self,
+        gauges: dict[str, Callable[[], float]],
+        leads: Callable[[], list[float]] = list,
+    ):
+        """`gauges`: name -> read; `leads`: seconds ahead of playback of every stream with a
+        row, read when a snapshot or a scrape asks."""
         self.started_at = time.perf_counter()
         self._lock = threading.Lock()
         self._gauges = gauges
+        self._leads = leads
+        self._step_seconds = {stage: 0.0 for stage in STAGES}
+        self._paced_seconds = 0.0
+        self._idle_timeouts = 0
         self._batches = {stage: 0 for stage in STAGES}
         self._batch_rows = {stage: 0 for stage in STAGES}
         self._batch_histogram = {stage: [0] * len(BATCH_BUCKETS) for stage in STAGES}
@@ -50,18 +67,61 @@ class EngineMetrics:
             buckets=(0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
             registry=self.registry,
         )
+        self._p_step = Histogram(
+            "intone_step_seconds",
+            "Duration of an AR step, a prefill pass or a decode call",
+            ["stage"],
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._p_paced = Counter(
+            "intone_pacing_paused_seconds",
+            "Stream-seconds held back by playback pacing",
+            registry=self.registry,
+        )
+        self._p_idle = Counter(
+            "intone_idle_timeouts", "Streams ended by the idle timeout", registry=self.registry
+        )
+        lead = Gauge(
+            "intone_stream_lead_seconds",
+            "Seconds of audio ahead of playback, over streams holding a row (quantiles)",
+            ["quantile"],
+            registry=self.registry,
+        )
+        for q in LEAD_QUANTILES:
+            lead.labels(f"{q:g}").set_function(lambda q=q: self._lead_quantiles().get(q, 0.0))
         for name, read in gauges.items():
             Gauge(f"intone_{name}", name.replace("_", " "), registry=self.registry).set_function(
                 read
             )
 
-    def batch(self, stage: str, rows: int) -> None:
+    def step(self, stage: str, rows: int, seconds: float) -> None:
+        """One batched call of `stage` over `rows` rows that took `seconds`."""
         with self._lock:
             self._batches[stage] += 1
             self._batch_rows[stage] += rows
+            self._step_seconds[stage] += seconds
             bucket = next((i for i, b in enumerate(BATCH_BUCKETS) if rows <= b), -1)
             self._batch_histogram[stage][bucket] += 1
         self._p_batch.labels(stage).observe(rows)
+        self._p_step.labels(stage).observe(seconds)
+
+    def paced(self, seconds: float) -> None:
+        """Stream-seconds pacing held back (a held stream counts for each second it waits)."""
+        with self._lock:
+            self._paced_seconds += seconds
+        self._p_paced.inc(seconds)
+
+    def idle_timeout(self) -> None:
+        with self._lock:
+            self._idle_timeouts += 1
+        self._p_idle.inc()
+
+    def _lead_quantiles(self) -> dict[float, float]:
+        leads = sorted(self._leads())
+        if not leads:
+            return {}
+        return {q: leads[min(len(leads) - 1, int(q * len(leads)))] for q in LEAD_QUANTILES}
 
     def audio(self, seconds: float) -> None:
         with self._lock:
@@ -86,6 +146,7 @@ class EngineMetrics:
             self.started_at = time.perf_counter()
             for stage in STAGES:
                 self._batches[stage] = self._batch_rows[stage] = 0
+                self._step_seconds[stage] = 0.0
                 self._batch_histogram[stage] = [0] * len(BATCH_BUCKETS)
             self._audio_seconds = 0.0
             self._completed = self._cancelled = 0
@@ -103,6 +164,12 @@ class EngineMetrics:
                 result[f"{stage}_batch_histogram"] = dict(
                     zip(map(str, BATCH_BUCKETS), self._batch_histogram[stage], strict=True)
                 )
+                result[f"{stage}_seconds_mean"] = (
+                    self._step_seconds[stage] / batches if batches else 0.0
+                )
+            result["pacing_paused_seconds"] = self._paced_seconds
+            result["idle_timeouts"] = self._idle_timeouts
+            result["stream_lead_seconds"] = {f"{q:g}": v for q, v in self._lead_quantiles().items()}
             result["audio_seconds"] = self._audio_seconds
             result["audio_throughput"] = self._audio_seconds / elapsed
             result["requests_completed"] = self._completed

@@ -1,13 +1,20 @@
 """The tensor work of the two engine stages, on batches the schedulers formed.
 
-Step functions take prepared tensors (positions, slots, masks, noise) and return tensors; the
-only host reads (EOS flags) happen after a step, in the scheduler's bookkeeping. That keeps each
-step free of data-dependent Python, the precondition for replaying it as a CUDA graph.
+Each stage has two halves. `*_inputs` builds a step's inputs on the host from the requests' page
+tables and moves them to the device; `*_step` is device math only: every tensor it takes lives on
+the model's device, it creates none on the host and reads nothing back. The host reads (EOS
+flags, audio) happen after a step, in the engine. That keeps each step free of data-dependent
+Python and of host-device mixing, the precondition for replaying it as a CUDA graph; a CPU test
+runs the steps on the `meta` device to hold that line.
+
+The runner never changes page bookkeeping: the engine extends a request's page table (under its
+lock) before asking for a step, so a failed step can be retried on the same pages.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +27,16 @@ from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
+
+
+@dataclass
+class GenerateInputs:
+    previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
+    positions: torch.Tensor
+    attention: SlotAttention
+    noise: torch.Tensor  # [B', latent_dim]
+    eos_thresholds: torch.Tensor  # [B']
+    rows: int
 
 
 class ModelRunner:
@@ -49,13 +66,13 @@ class ModelRunner:
         self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
 
+    @torch.no_grad()
     def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
         """A clause's prompt: the chaining tail as extra voice frames, then the text."""
         text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
         if tail is None or not tail.shape[0]:
             return text
-        voice_like = self.model.latents_as_voice(tail)
-        return torch.cat([voice_like, text])
+        return torch.cat([self.model.latents_as_voice(tail), text])
 
     def copy_page(self, source: int, target: int, count: int) -> None:
         """Copy the first `count` slots of a shared page into a private one."""
@@ -65,60 +82,103 @@ class ModelRunner:
         self.pool.keys[:, dst] = self.pool.keys[:, src]
         self.pool.values[:, dst] = self.pool.values[:, src]
 
-    def add_voice(self, voice: Voice) -> PageTable:
-        """Write a voice's prompt K/V into pages of its own, shared by its requests later."""
-        table = self.blocks.allocate(voice.length)
+    def write_voice(self, table: PageTable, voice: Voice) -> None:
+        """Write a voice's prompt K/V into its freshly allocated pages."""
         self.pool.write(self.blocks.slots(table).to(self.device), voice.keys, voice.values)
-        return table
 
-    @torch.no_grad()
-    def prefill(self, requests: list[Request]) -> None:
-        """One packed pass over the prompts of `requests`: no padding, one sequence each."""
+    def draw_noise(self, request: Request) -> torch.Tensor:
+        """The flow noise of the request's next frame [latent_dim], from its own generator.
+
+        Drawn once per frame: a retried step reuses it, so a retry never shifts the generator.
+        """
+        noise = draw_noise(
+            [request.generator],
+            self.flow_lm.latent_dim,
+            [request.temperature],
+            [request.noise_clamp],
+            self.device,
+        )
+        return noise[0]
+
+    # ---- prefill
+
+    def prefill_inputs(
+        self, requests: list[Request]
+    ) -> tuple[torch.Tensor, torch.Tensor, SlotAttention]:
+        """Packed prompts and attention for `requests`, whose tables already hold their prompts."""
         steps = []
         for request in requests:
             assert request.table is not None and request.prompt is not None
-            self.blocks.extend(request.table, request.prompt.shape[0])
             steps.append(SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0]))
         positions, attention = plan_step(self.pool, steps)
         prompts = torch.cat([r.prompt for r in requests if r.prompt is not None])
+        return prompts, positions, attention
+
+    @torch.no_grad()
+    def prefill_step(
+        self, prompts: torch.Tensor, positions: torch.Tensor, attention: SlotAttention
+    ) -> None:
         with self._busy():
             self.flow_lm.backbone(prompts, positions, attention)
 
-    @torch.no_grad()
-    def generate(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One AR step for every request: (latents [B, latent_dim], EOS logits [B]).
+    def prefill(self, requests: list[Request]) -> None:
+        """One packed pass over the prompts of `requests`: no padding, one sequence each."""
+        self.prefill_step(*self.prefill_inputs(requests))
+
+    # ---- AR step
+
+    def generate_inputs(self, requests: list[Request], noise: list[torch.Tensor]) -> GenerateInputs:
+        """Inputs of one AR step; each table already holds the position this step writes.
 
         With batch buckets, padding rows attend only to a scratch slot and are dropped.
         """
-        steps = []
-        for request in requests:
-            assert request.table is not None
-            self.blocks.extend(request.table, 1)
-            steps.append(SequenceStep(self.blocks.slots(request.table), 1))
+        steps = [SequenceStep(self.blocks.slots(r.table), 1) for r in requests if r.table]
+        assert len(steps) == len(requests)
         previous = torch.stack(
             [r.previous_latent for r in requests if r.previous_latent is not None]
         )
-        noise = draw_noise(
-            [r.generator for r in requests],
-            self.flow_lm.latent_dim,
-            [r.temperature for r in requests],
-            [r.noise_clamp for r in requests],
-            self.device,
-        )
+        noise_rows = torch.stack(noise)
+        thresholds = [r.eos_threshold for r in requests]
         rows = len(requests)
         padding = self._bucket(rows) - rows
         if padding:
             scratch = torch.tensor([self.blocks.num_pages * self.blocks.page_size])
             steps += [SequenceStep(scratch, 1)] * padding
             previous = torch.cat([previous, previous.new_zeros(padding, previous.shape[1])])
-            noise = torch.cat([noise, noise.new_zeros(padding, noise.shape[1])])
+            noise_rows = torch.cat([noise_rows, noise_rows.new_zeros(padding, noise_rows.shape[1])])
+            thresholds += [0.0] * padding
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
         positions, attention = plan_step(self.pool, steps, key_multiple)
+        return GenerateInputs(
+            previous,
+            positions,
+            attention,
+            noise_rows,
+            torch.tensor(thresholds, dtype=torch.float32).to(self.device),
+            rows,
+        )
+
+    @torch.no_grad()
+    def generate_step(self, inputs: GenerateInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latents [B', latent_dim], EOS flags [B'] as bool), on the device."""
+        flow_lm = self.flow_lm
         with self._busy():
-            latents, eos_logits = self._generate_step(previous, positions, attention, noise)
-        return latents[:rows], eos_logits[:rows]
+            z = flow_lm.backbone(
+                flow_lm.embed_latents(inputs.previous), inputs.positions, inputs.attention
+            )
+            latents = flow_lm.sample_latent(z, inputs.noise, self.flow_steps)
+        return latents, flow_lm.eos_logit(z) > inputs.eos_thresholds
+
+    def generate(
+        self, requests: list[Request], noise: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One AR step for every request: (latents [B, latent_dim], EOS flags [B]) on the device."""
+        inputs = self.generate_inputs(requests, noise)
+        latents, eos = self.generate_step(inputs)
+        return latents[: inputs.rows], eos[: inputs.rows]
 
     def _busy(self) -> contextlib.AbstractContextManager:
+        """Stage calls count themselves busy so torch's threads follow the busy stage."""
         return self.threads.busy() if self.threads else contextlib.nullcontext()
 
     def _bucket(self, rows: int) -> int:
@@ -127,22 +187,24 @@ class ModelRunner:
             return rows
         return next((b for b in self.batch_buckets if b >= rows), rows)
 
-    def _generate_step(
-        self,
-        previous: torch.Tensor,
-        positions: torch.Tensor,
-        attention: SlotAttention,
-        noise: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.flow_lm.backbone(self.flow_lm.embed_latents(previous), positions, attention)
-        return self.flow_lm.sample_latent(z, noise, self.flow_steps), self.flow_lm.eos_logit(z)
+    # ---- decode
 
     @torch.no_grad()
-    def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
-        """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim]."""
-        index = torch.tensor(slots, device=self.device)
+    def decode_step(self, index: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Waveform [B, T * samples_per_frame] for normalised latents [B, T, latent_dim] of the
+        decoder rows `index` (in ascending slot order, so a run of slots is read in place); each
+        row's history advances only when the whole call succeeds."""
         with self._busy():
             state = self.decoder_states.gather(index)
             audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
             self.decoder_states.scatter(index, state)
         return audio[:, 0]
+
+    def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
+        """`decode_step` for rows in any order: the audio comes back in the caller's order."""
+        # Rows in slot order: a batch holding a run of slots reads their decoder state in place.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        index = torch.tensor([slots[i] for i in order]).to(self.device)
+        order_t = torch.tensor(order).to(self.device)
+        audio = self.decode_step(index, latents[order_t])
+        return audio.index_select(0, torch.argsort(order_t))

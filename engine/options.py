@@ -1,5 +1,6 @@
 """Generation options and the plan of a clause: one home for both, torch-free.
 
+It imports nothing beyond the standard library (the protocol module and the client use it).
 `GenerationOptions` validates itself when it is built (and when `dataclasses.replace` builds a
 copy), so a bad value is refused at the API with `InvalidOptionError` and never reaches a batched
 step. The server, the client and both plugins derive their option lists from its fields.
@@ -12,7 +13,6 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-from intone.engine.text import max_gen_len, normalize_text, prompt_tokens
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -123,6 +123,9 @@ class ClauseProgress:
 
 
 def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    # Imported here: the rest of this module is imported by clients with no tokenizer installed.
+    from intone.engine.text import max_gen_len, normalize_text, prompt_tokens
+
     # Spoken form first: "$1,234.56" is a dozen words, and the frame budget follows the tokens.
     if options.normalize:
         clause = normalize_text(clause, loaded.language) or clause

@@ -69,6 +69,24 @@ def config_path(name: str) -> Path:
     return CONFIGS_DIR / f"{name}.yaml"
 
 
+def model_for_language(language: str) -> str:
+    """The model of a language: a code ("fr", "fr-FR", "pt_BR") or an English name ("french").
+
+    Raises UnknownModelError naming the languages there are models for.
+    """
+    from intone.engine.errors import UnknownModelError
+
+    base = language.replace("_", "-").split("-")[0].lower()
+    base = LANGUAGES.get(base, base)
+    model = LANGUAGE_MODELS.get(base)
+    if model is None:
+        raise UnknownModelError(
+            f"no model speaks language {language!r}; languages: "
+            + ", ".join(f"{code} ({name})" for code, name in LANGUAGE_MODELS.items())
+        )
+    return model
+
+
 def known_names() -> list[str]:
     """Everything `release_name` accepts, for error messages."""
     return release_names() + sorted(ALIASES) + sorted(LANGUAGE_MODELS)

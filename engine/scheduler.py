@@ -1,23 +1,41 @@
-"""AR-side scheduling: admission in FIFO order, and the batch of every step rebuilt from scratch.
+"""AR-side scheduling: who holds a row, who waits for one, and the batch of every step.
+
+A stream holds a row (an AR batch slot and a decoder row) only while it has text to speak. An
+open stream with no text pending sits in `idle` and costs nothing but its saved decoder history;
+text moves it to `waiting`, and admission gives it a row. When its clause ends and no text is
+pending, or when it is far ahead of playback while others wait for a row, it gives the row back
+(`park`).
 
 Each iteration:
-1. admitted requests whose next clause is ready (text complete, previous clause's audio delivered)
-   start it if its KV pages can be reserved; then waiting requests are admitted, oldest first,
-   while batch slots and pages last. A request that does not fit blocks those behind it, so
-   admission stays FIFO and a big request cannot starve; one with no text yet is skipped.
+1. running requests between clauses start their next clause if their KV pages can be reserved
+   (unless pacing holds them); then waiting requests are admitted while rows and pages last, in
+   priority order: a new request's first clause, then streams closest to an underrun (least
+   audio ahead of playback), then the rest, first come first served among equals. A request
+   that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
+   its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill;
-3. every generating request joins one AR step.
+3. every generating request that pacing does not hold joins one AR step.
+
+A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
+`schedule` hands it back in `Batch.failed` and goes on with the others.
+
+The scheduler changes its queues only through its own methods (`add`, `ready`, `set_voice`,
+`park`, `release`, `released`); the engine calls all of them under its lock.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.sequence import Phase, Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,18 +48,30 @@ class VoicePrefix:
 class Batch:
     prefill: list[Request]
     generate: list[Request]
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
+    parked: list[Request] = field(default_factory=list)  # gave their row up this iteration
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.generate or self.failed)
 
 
 class Scheduler:
     def __init__(
-        self, runner: ModelRunner, blocks: BlockManager, max_active: int, max_prefill_tokens: int
+        self,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        max_active: int,
+        max_prefill_tokens: int,
+        max_rows_per_tenant: int | None = None,
     ):
         self.runner = runner
         self.blocks = blocks
         self.max_active = max_active
         self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.max_rows_per_tenant = max_rows_per_tenant
+        self.idle: dict[str, Request] = {}  # open, no text pending, no row
+        self.waiting: deque[Request] = deque()  # text pending, no row
+        self.running: list[Request] = []  # holding a row
         # Finished requests whose decoder row the decoder thread has not freed yet: they still
         # count against max_active, so a new request always finds a free row.
         self.releasing: set[str] = set()
@@ -50,6 +80,61 @@ class Scheduler:
     @property
     def active(self) -> int:
         return len(self.running) + len(self.releasing)
+
+    # ---- queues
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every open request the scheduler holds, in any queue."""
+        return [*self.running, *self.waiting, *self.idle.values()]
+
+    def add(self, request: Request) -> None:
+        """A new stream: idle until it has text."""
+        self.idle[request.id] = request
+
+    def ready(self, request: Request) -> None:
+        """The request has text now: it waits for a row if it does not hold one."""
+        if self.idle.pop(request.id, None) is not None:
+            self.waiting.append(request)
+
+    def park(self, request: Request) -> None:
+        """Give the request's row back; its decoder row is freed after its audio (`released`)."""
+        self.running.remove(request)
+        self.releasing.add(request.id)
+        request.phase = Phase.WAITING
+        if request.pending:
+            self.waiting.append(request)
+        else:
+            self.idle[request.id] = request
+
+    def set_voice(self, name: str, table: PageTable) -> PageTable | None:
+        """Register (or replace) a voice's prompt pages; returns the replaced voice's table."""
+        old = self.voices.get(name)
+        self.voices[name] = VoicePrefix(name, table)
+        return None if old is None else old.table
+
+    def release(self, request: Request) -> bool:
+        """Drop the request from scheduling and give back its pages and tail.
+
+        True if it was admitted: its decoder row is then still to be freed (`released`).
+        """
+        admitted = request in self.running
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.idle.pop(request.id, None)
+        if admitted:
+            self.running.remove(request)
+            self.releasing.add(request.id)
+        self.end_clause(request)
+        request.tail = None
+        request.phase = Phase.FINISHED
+        return admitted
+
+    def released(self, request: Request) -> None:
+        """The decoder freed the request's row."""
+        self.releasing.discard(request.id)
+
+    # ---- pages
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages of its own one clause may need: past the voice's full, shared pages."""
@@ -62,62 +147,35 @@ class Scheduler:
         return self.blocks.num_pages - sum(len(v.table.pages) for v in self.voices.values())
 
     def start_clause(self, request: Request) -> bool:
-        """Move the request's next clause onto reserved pages; False if the pool is short."""
+        """Move the request's next clause onto reserved pages; False if the pool is short.
+
+        On an exception nothing changed: the clause is still pending and no page is held.
+        """
         clause = request.pending[0]
         voice = self.voices[request.voice].table
         tail = request.tail.shape[0] if request.tail is not None else 0
         final = voice.length + tail + len(clause.plan.tokens) + clause.plan.max_frames
+        prompt = self.runner.prompt_embeddings(clause.plan.tokens, request.tail)
         table, partial_page = self.blocks.share(voice)
         if not self.blocks.reserve(table, final, copy_partial=partial_page is not None):
             self.blocks.release(table)
             return False
-        if partial_page is not None:
-            self.runner.copy_page(
-                partial_page, table.pages[-1], voice.length % self.blocks.page_size
-            )
+        try:
+            if partial_page is not None:
+                self.runner.copy_page(
+                    partial_page, table.pages[-1], voice.length % self.blocks.page_size
+                )
+        except Exception:
+            self.blocks.release(table)
+            raise
         request.pending.popleft()
         request.clause = clause
         request.table = table
-        request.prompt = self.runner.prompt_embeddings(clause.plan.tokens, request.tail)
+        request.prompt = prompt
         request.progress = ClauseProgress(clause.plan)
         request.latents = []
         request.phase = Phase.PREFILL
         return True
-
-    def schedule(self) -> Batch:
-        for request in self.running:
-            if request.phase is Phase.IDLE and request.pending and not self.start_clause(request):
-                break
-        else:
-            for request in list(self.waiting):
-                if self.active >= self.max_active:
-                    break
-                if not request.pending:
-                    continue  # no text yet: not ready, and must not hold up those behind it
-                if not self.start_clause(request):
-                    break
-                self.waiting.remove(request)
-                self.running.append(request)
-        prefill, tokens = [], 0
-        for request in self.running:
-            if request.phase is Phase.PREFILL:
-                assert request.prompt is not None
-                if prefill and tokens + request.prompt.shape[0] > self.max_prefill_tokens:
-                    break
-                prefill.append(request)
-                tokens += request.prompt.shape[0]
-        generate = [r for r in self.running if r.phase is Phase.GENERATING]
-        return Batch(prefill, generate)
-
-    def finish(self, request: Request) -> None:
-        """Drop the request from scheduling and give back its pages and tail."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        self.end_clause(request)
-        request.tail = None
-        request.phase = Phase.FINISHED
 
     def end_clause(self, request: Request) -> None:
         if request.table is not None:
@@ -126,3 +184,74 @@ class Scheduler:
         request.prompt = None
         request.clause = None
         request.progress = None
+
+    # ---- batches
+
+    def schedule(self, held: Callable[[Request], bool], lead: Callable[[Request], float]) -> Batch:
+        """The next batch. `held(request)`: pacing holds it back now; `lead(request)`: seconds
+        of its audio ahead of playback (for priority)."""
+        failed: list[tuple[Request, Exception]] = []
+        parked: list[Request] = []
+
+        def try_start(request: Request) -> bool | None:
+            """start_clause, with a failure pinned on the request (None)."""
+            try:
+                return self.start_clause(request)
+            except Exception as e:
+                logger.exception("starting a clause of %s failed", request.id)
+                failed.append((request, e))
+                return None
+
+        short_of_pages = False
+        for request in list(self.running):
+            if request.phase is not Phase.IDLE:
+                continue
+            if not request.pending and not request.input_ended:
+                self.park(request)  # nothing to say for now: the row is someone else's
+                parked.append(request)
+            elif request.pending and held(request):
+                if self.waiting:  # far ahead while others wait for a row: let them have it
+                    self.park(request)
+                    parked.append(request)
+            elif request.pending and try_start(request) is False:
+                short_of_pages = True
+                break
+        if not short_of_pages:
+            rows = self._rows_by_tenant()
+            # sorted() is stable: first come, first served among equals.
+            for request in sorted(self.waiting, key=lambda r: (r.frames_generated > 0, lead(r))):
+                if self.active >= self.max_active:
+                    break
+                cap = self.max_rows_per_tenant
+                if (
+                    cap is not None
+                    and request.tenant is not None
+                    and rows.get(request.tenant, 0) >= cap
+                ):
+                    continue  # this tenant has its share; the others go first
+                if request.frames_generated and held(request):
+                    continue
+                started = try_start(request)
+                if started is None:
+                    continue
+                if not started:
+                    break
+                self.waiting.remove(request)
+                self.running.append(request)
+                rows[request.tenant] = rows.get(request.tenant, 0) + 1
+        prefill, tokens = [], 0
+        for request in self.running:
+            if request.phase is Phase.PREFILL:
+                assert request.prompt is not None
+                if prefill and tokens + request.prompt.shape[0] > self.max_prefill_tokens:
+                    break
+                prefill.append(request)
+                tokens += request.prompt.shape[0]
+        generate = [r for r in self.running if r.phase is Phase.GENERATING and not held(r)]
+        return Batch(prefill, generate, failed, parked)
+
+    def _rows_by_tenant(self) -> dict[str | None, int]:
+        rows: dict[str | None, int] = {}
+        for request in self.running:
+            rows[request.tenant] = rows.get(request.tenant, 0) + 1
+        return rows

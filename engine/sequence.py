@@ -1,8 +1,8 @@
 """A request as the engine sees it: a text stream cut into clauses, and its per-clause AR state.
 
 Ownership: the caller's thread appends clauses and sets `input_ended`/`cancelled` under the
-engine lock; the AR thread owns everything under "AR state"; the decoder thread owns
-`decoder_slot` and the delivery counters.
+engine lock (the decoder thread sets `error` under it too); the AR thread owns everything under
+"AR state"; the decoder thread owns `decoder_slot` and the delivery counters.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import torch
 
 from intone.engine.block_manager import PageTable
 from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions
+from intone.engine.pacing import Playback
 
 
 class Phase(enum.Enum):
-    WAITING = "waiting"  # not admitted yet
-    IDLE = "idle"  # admitted; no clause running (waiting for text)
+    WAITING = "waiting"  # holds no row: no text yet, or text waiting for admission
+    IDLE = "idle"  # holds a row; no clause running (the next one has not started)
     PREFILL = "prefill"  # a clause holds pages and waits for its prompt pass
     GENERATING = "generating"
-    DRAINING = "draining"  # the clause's last latent went to the decoder; awaiting delivery
     FINISHED = "finished"
 
 
@@ -72,7 +72,7 @@ class RequestMetrics:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Request:
     id: str
     voice: str
@@ -86,6 +86,14 @@ class Request:
     pending: deque[Clause] = field(default_factory=deque)
     input_ended: bool = False
     cancelled: bool = False
+    last_text_at: float = field(default_factory=lambda: now())  # for the idle timeout
+    tenant: str | None = None
+    # Seconds of audio handed to the stream and not read yet (the caller's loop writes it).
+    unread_seconds: float = 0.0
+    playback: Playback = field(default_factory=Playback)
+    # A failure pinned on this request by a stage that cannot end it itself (the decoder);
+    # the AR thread ends the request with it.
+    error: Exception | None = None
     # AR state.
     phase: Phase = Phase.WAITING
     clause: Clause | None = None
@@ -95,8 +103,11 @@ class Request:
     progress: ClauseProgress | None = None
     latents: list[torch.Tensor] = field(default_factory=list)
     tail: torch.Tensor | None = None
+    frames_generated: int = 0  # latents kept, over every clause: the audio generated so far
+    in_decoder: bool = False  # has put items on the decoder queue (it must see the end too)
     # Decoder state.
     decoder_slot: int | None = None
+    decoder_saved: dict[str, torch.Tensor] | None = None  # its history while it holds no row
     frames_delivered: int = 0
     # Set by the engine when the request is made.
     options: GenerationOptions = field(default_factory=GenerationOptions)

@@ -2,50 +2,35 @@
 
 Engine threads hand events over with `loop.call_soon_threadsafe`, so a stream works from any
 asyncio loop, several loops at once included (LiveKit's thread executor gives every job its own).
+A stream talks to its engine only through the engine's public request methods (`plan`,
+`submit`, `cancel`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from intone.engine.sequence import Clause, Request, RequestMetrics
+from intone.engine.errors import (
+    EmptyTextError,
+    InvalidOptionError,
+    StreamClosedError,
+    TextTooLongError,
+)
+from intone.engine.events import AudioChunk, ClauseDone, WordTiming
+from intone.engine.sequence import Clause, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter
-from intone.engine.timeline import Timeline, WordTiming
+from intone.engine.timeline import Timeline
 
 if TYPE_CHECKING:
     from intone.engine.engine import Engine
 
-
-@dataclass
-class AudioChunk:
-    """One frame of audio, float32 at the model's rate."""
-
-    samples: np.ndarray
-    clause: int
-
-
-@dataclass
-class ClauseDone:
-    """A clause's audio has all been delivered; where it lies in the stream's audio.
-
-    `start_sample` and `sample_count` count the samples the caller received (at the stream's speed;
-    exact at speed 1.0). `words` are the caller's own words of `text` with estimated times, in
-    seconds from the stream's first sample (`timeline.py` says how they are estimated).
-    """
-
-    clause: int
-    text: str
-    frames: int
-    eos_frame: int | None = None  # the clause's frame where the model signalled end of speech
-    start_sample: int = 0
-    sample_count: int = 0  # not `samples`: that name is AudioChunk's array
-    words: list[WordTiming] = field(default_factory=list)
+__all__ = ["AudioChunk", "ClauseDone", "Stream", "WordTiming"]
 
 
 class Stream:
@@ -76,10 +61,9 @@ class Stream:
 
     def push_text(self, text: str) -> None:
         self._check_open()
-        if self._chars + len(text) > self._engine.config.max_text_chars:
-            raise ValueError(
-                f"text over the limit of {self._engine.config.max_text_chars} characters"
-            )
+        limit = self._engine.config.max_text_chars
+        if self._chars + len(text) > limit:
+            raise TextTooLongError(f"text over the limit of {limit} characters")
         self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
@@ -92,42 +76,58 @@ class Stream:
     def end_input(self) -> None:
         self._check_open()
         if not self._has_text:
-            raise ValueError("no text was pushed: nothing to synthesise")
+            raise EmptyTextError("no text was pushed: nothing to synthesise")
         self._submit(self._splitter.end(), end=True)
 
     def cancel(self) -> None:
         """Stop now: no audio is delivered after this returns; engine state is released."""
         self._closed = True
-        self._engine._cancel(self.request)
+        self._engine.cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
         self._ready.clear()
+        self.request.unread_seconds = 0.0
         self._events.put_nowait(None)
+
+    def report_playback(self, seconds: float) -> None:
+        """How many seconds of this stream's audio the listener has played.
+
+        Generation then stays at most `EngineConfig.lead_s` ahead of it (without reports, of a
+        real-time clock started at the first audio)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidOptionError(f"playback must be a number of seconds, got {seconds!r}")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidOptionError(f"playback must be finite and >= 0, got {seconds!r}")
+        self.request.playback.report(float(seconds), now())
+        self._engine.wake()
 
     def _check_open(self) -> None:
         if self._closed or self.request.input_ended:
-            raise RuntimeError(f"stream {self.id} no longer takes input")
+            raise StreamClosedError(f"stream {self.id} no longer takes input")
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []
         for text in texts:
-            plan = self._engine._plan(self.request, text)
+            plan = self._engine.plan(self.request, text)
             clauses.append(Clause(self._clauses, text, plan))
             self._clauses += 1
-        self._engine._submit(self.request, clauses, end)
+        self._engine.submit(self.request, clauses, end)
 
-    def _post(self, event: object) -> None:
-        """Called from engine threads."""
+    def post(self, event: object) -> None:
+        """Hand an event over from an engine thread: audio, a clause end, None (the end) or
+        an exception (the end, failed)."""
         try:
             self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
-            self._engine._cancel(self.request)
+            self._engine.cancel(self.request)
 
     def _deliver(self, event: object) -> None:
         if not self._closed:
             if event is None or isinstance(event, Exception):
                 self._closed = True
+            elif isinstance(event, AudioChunk):
+                self.request.unread_seconds += len(event.samples) / self._engine.sample_rate
             self._events.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
@@ -148,6 +148,7 @@ class Stream:
                 self._ended = True
                 raise event
             elif isinstance(event, AudioChunk):
+                self.request.unread_seconds -= len(event.samples) / self._engine.sample_rate
                 chunk = self._timeline.audio(event)
                 if chunk is not None:
                     self._ready.append(chunk)

@@ -19,31 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from intone.engine.events import AudioChunk, ClauseDone, WordTiming
 from intone.engine.spoken_form import normalize_text
 from intone.engine.tempo import Tempo
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
     from intone.engine.options import GenerationOptions
-    from intone.engine.stream import AudioChunk, ClauseDone
 
 _CLAUSE_PAUSE = ",;:\u2013\u2014"
 _SENTENCE_PAUSE = ".!?\u2026"
 _CLOSERS = "\"')]}\u201d\u2019\u00bb"
-
-
-@dataclass(frozen=True)
-class WordTiming:
-    """One word as the caller wrote it, and when it is heard (seconds from the stream's start)."""
-
-    word: str
-    start: float
-    end: float
 
 
 def word_weights(words: list[str], count: Callable[[str], int]) -> list[tuple[float, float]]:

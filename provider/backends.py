@@ -3,19 +3,21 @@
 `SpeechBackend` / `SpeechStream` hide the difference: `EngineBackend` (a lease on the process's
 shared engine, `registry.py`) and `RemoteBackend` (a client connection per event loop) open
 streams that take text and yield the engine's `AudioChunk` / `ClauseDone` events alike, with the
-same clause timing. `make_backend` is the one place that picks between them, for both plugins.
+same clause timing. `make_backend` is the one place that picks between them, for both plugins;
+`Backends` keeps a plugin instance's backends, one per model it speaks with (several models per
+process: a language change moves later turns to that language's engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator
-from dataclasses import fields
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -23,13 +25,17 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,
+    EngineClosedError,
     EngineConfig,
     GenerationOptions,
+    IdleTimeoutError,
+    InvalidOptionError,
     LoadedModel,
     Stream,
+    StreamClosedError,
 )
-from intone.engine.errors import InvalidOptionError
-from intone.engine.timeline import WordTiming
+from intone.engine.events import WordTiming
+from intone.engine.options import option_names
 from intone.provider import registry
 from intone.provider.server import protocol
 
@@ -46,8 +52,8 @@ def make_backend(
 ) -> SpeechBackend | None:
     """The backend a plugin's arguments ask for: remote (`base_url`), an engine the caller owns
     (`engine`), or a lease on the shared engine of `model`. `load=False` never loads a model:
-    it returns None when the shared engine is not running yet (load it off the event loop with
-    `make_backend_async`). Blocks while a model loads."""
+    it returns None when the shared engine is not running yet (`Backends.get` loads it off the
+    event loop). Blocks while a model loads."""
     if base_url is not None and engine is not None:
         raise ValueError("pass either base_url (remote) or engine (in-process), not both")
     if base_url is not None:
@@ -58,13 +64,6 @@ def make_backend(
         lease = registry.acquire_loaded(model)
         return EngineBackend(lease) if lease is not None else None
     return EngineBackend(registry.acquire(model, config=engine_config))
-
-
-async def make_backend_async(**kwargs: Any) -> SpeechBackend:
-    """`make_backend` off the event loop, so a model load never stalls the other sessions."""
-    backend = await asyncio.to_thread(make_backend, **kwargs)
-    assert backend is not None
-    return backend
 
 
 class SpeechStream(Protocol):
@@ -98,41 +97,98 @@ class SpeechBackend(Protocol):
     @property
     def shared_engine(self) -> Engine | None: ...
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> SpeechStream:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
-        which a remote server resamples to; the in-process engine yields its own rate."""
+        which a remote server resamples to; the in-process engine yields its own rate.
+        `model`: which of a remote server's models speaks (None: its default); an in-process
+        backend is one engine, one model (see `Backends`)."""
         ...
 
     async def aclose(self) -> None: ...
 
 
 class EngineSpeech:
-    """The engine's `Stream` as a `SpeechStream`."""
+    """The engine's `Stream` as a `SpeechStream`.
 
-    def __init__(self, stream: Stream, sample_rate: int):
+    A turn may wait on a slow tool call for longer than the engine's idle timeout. If its engine
+    stream times out mid-turn (`IdleTimeoutError`) and `reopen` is given, the turn goes on: its
+    later text opens a fresh engine stream (`reopen()`), whose audio continues the iteration.
+    """
+
+    def __init__(
+        self, stream: Stream, sample_rate: int, reopen: Callable[[], Stream] | None = None
+    ):
         self.stream = stream
         self.sample_rate = sample_rate
+        self._reopen = reopen
+        self._earlier_clauses = 0  # submitted to engine streams that timed out
+        self._timed_out = False
+        self._input_ended = False
+        self._changed = asyncio.Event()  # a fresh stream, the end of input, or a cancel
 
     @property
     def submitted_clauses(self) -> int:
-        return self.stream.metrics.clauses
+        return self._earlier_clauses + self.stream.metrics.clauses
+
+    def _fresh_stream(self) -> None:
+        if self._timed_out and self._reopen is not None:
+            self._earlier_clauses += self.stream.metrics.clauses
+            self.stream = self._reopen()
+            self._timed_out = False
+            self._changed.set()
 
     @property
     def request_id(self) -> str:
         return self.stream.id
 
     async def push_text(self, text: str) -> None:
-        self.stream.push_text(text)
+        self._fresh_stream()
+        try:
+            self.stream.push_text(text)
+        except StreamClosedError:
+            # Closed under us: the idle timeout, not yet seen by the iteration. (Any other end
+            # of the stream reaches the iteration as its error.)
+            if self._reopen is None or self._input_ended:
+                raise
+            self._timed_out = True
+            self._fresh_stream()
+            self.stream.push_text(text)
 
     async def end_input(self) -> None:
-        self.stream.end_input()
+        self._input_ended = True
+        self._changed.set()
+        if not self._timed_out:
+            with contextlib.suppress(StreamClosedError):  # timed out: nothing more to say
+                self.stream.end_input()
 
     def cancel(self) -> None:
+        self._input_ended = True
+        self._changed.set()
         self.stream.cancel()
 
-    def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
-        return self.stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
+        while True:
+            current = self.stream
+            try:
+                async for event in current:
+                    yield event
+                return
+            except IdleTimeoutError:
+                if self._reopen is None or (self._input_ended and current is self.stream):
+                    raise
+                logger.info("the engine stream timed out mid-turn; later text opens a new one")
+            if current is self.stream:  # no text since: wait for some, or for the turn's end
+                self._timed_out = True
+                while self._timed_out and not self._input_ended:
+                    self._changed.clear()
+                    await self._changed.wait()
+                if self._timed_out:
+                    return
 
 
 class EngineBackend:
@@ -150,13 +206,20 @@ class EngineBackend:
         return self._lease.engine
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> EngineSpeech:
         engine = self._lease.engine
         if voice is not None and voice not in engine.voices:
             await asyncio.to_thread(registry.ensure_voice, engine, voice)
+        options = engine_options(engine, settings)
         return EngineSpeech(
-            engine.stream(voice, engine_options(engine, settings)), engine.sample_rate
+            engine.stream(voice, options),
+            engine.sample_rate,
+            reopen=lambda: engine.stream(voice, options),
         )
 
     async def aclose(self) -> None:
@@ -167,8 +230,7 @@ class EngineBackend:
 
 def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOptions:
     """GenerationOptions from the settings given, with this engine's defaults for the rest."""
-    known = {f.name for f in fields(GenerationOptions)}
-    unknown = set(settings) - known
+    unknown = set(settings) - set(option_names())
     if unknown:
         raise InvalidOptionError(f"unknown generation settings: {sorted(unknown)}")
     values = {
@@ -300,22 +362,32 @@ class RemoteBackend:
         await self._client()
 
     async def open_stream(
-        self, voice: str | None, settings: dict[str, Any], sample_rate: int | None = None
+        self,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+        model: str | None = None,
     ) -> RemoteSpeech:
         from intone.provider.client import IntoneConnectionError, IntoneError
 
         for attempt in range(2):
-            client = await self._client()
+            client = None
             try:
+                client = await self._client()  # a draining server refuses at the handshake
                 stream = await client.stream(
-                    voice=voice, sample_rate=sample_rate, format="pcm_f32le", options=settings
+                    voice=voice,
+                    sample_rate=sample_rate,
+                    format="pcm_f32le",
+                    options=settings,
+                    model=model,
                 )
             except IntoneError as e:
                 # The server restarted, the connection idled out, or this server (replica) is
                 # draining: one fresh connection, which a load balancer sends elsewhere.
                 if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
                     raise
-                self._forget(client)
+                if client is not None:
+                    self._forget(client)
                 if attempt:
                     raise
                 continue
@@ -337,3 +409,129 @@ class RemoteBackend:
                 await client.close()
             elif loop.is_running():
                 asyncio.run_coroutine_threadsafe(client.close(), loop)
+
+
+class Backends:
+    """A TTS instance's speech backends, one per model it speaks with, each made by
+    `make_backend`.
+
+    Remote (`base_url`): one `RemoteBackend`, the model named in each stream. In-process: a lease
+    on each model's shared engine, taken on first use of that model, so a language change moves
+    later turns to that language's engine. An engine of the caller's (`engine`): that engine only.
+    Thread-safe: LiveKit's thread executor uses one instance from several event loops.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        engine: Engine | None = None,
+        config: EngineConfig | None = None,
+    ):
+        if base_url is not None and engine is not None:
+            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
+        self.base_url = base_url
+        self._own_engine = engine
+        self._config = config
+        self._lock = threading.Lock()
+        self._backends: dict[str, SpeechBackend] = {}
+        self._closed = False
+        # Created now: a bad URL fails at construction, not at the first turn.
+        self.remote = (
+            cast(RemoteBackend, make_backend(base_url=base_url)) if base_url is not None else None
+        )
+
+    def _key(self, model: registry.ModelSpec) -> str:
+        if self.remote is not None:
+            return "remote"
+        if self._own_engine is not None:
+            return "own"
+        return registry.model_key(model)
+
+    def _make(self, model: registry.ModelSpec, load: bool) -> SpeechBackend | None:
+        return make_backend(
+            model=None if self._own_engine is not None else model,
+            engine=self._own_engine,
+            engine_config=self._config,
+            load=load,
+        )
+
+    def adopt_loaded(self, model: registry.ModelSpec) -> None:
+        """Take the backend of `model` now if that needs no load: the caller's engine, or a
+        shared engine already running. Remote: nothing to take."""
+        if self.remote is not None:
+            return
+        made = self._make(model, load=False)
+        if made is None:
+            return
+        with self._lock:
+            if self._key(model) not in self._backends and not self._closed:
+                self._backends[self._key(model)] = made
+                return
+        _close_soon(made)
+
+    def current(self, model: registry.ModelSpec) -> SpeechBackend | None:
+        """The backend of `model` if one was made, else None."""
+        if self.remote is not None:
+            return self.remote
+        with self._lock:
+            return self._backends.get(self._key(model))
+
+    def get_sync(self, model: registry.ModelSpec) -> SpeechBackend:
+        """The backend of `model`, loading its engine if needed (blocks)."""
+        if self.remote is not None:
+            return self.remote
+        key = self._key(model)
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("this TTS is closed")
+            backend = self._backends.get(key)
+        if backend is not None:
+            return backend
+        made = self._make(model, load=True)
+        assert made is not None
+        with self._lock:
+            current = self._backends.get(key)
+            if current is None and not self._closed:
+                self._backends[key] = made
+                return made
+        # A concurrent call won the race, or the TTS closed meanwhile: give ours back.
+        _close_soon(made)
+        if current is None:
+            raise EngineClosedError("this TTS is closed")
+        return current
+
+    async def get(self, model: registry.ModelSpec) -> SpeechBackend:
+        """`get_sync` off the event loop when an engine has to be loaded."""
+        backend = self.current(model)
+        if backend is not None:
+            return backend
+        return await asyncio.to_thread(self.get_sync, model)
+
+    async def open_stream(
+        self,
+        model: registry.ModelSpec,
+        voice: str | None,
+        settings: dict[str, Any],
+        sample_rate: int | None = None,
+    ) -> SpeechStream:
+        backend = await self.get(model)
+        if self.remote is not None:
+            name = None if model is None else str(getattr(model, "source", model))
+            return await backend.open_stream(voice, settings, sample_rate, model=name)
+        return await backend.open_stream(voice, settings, sample_rate)
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._closed = True
+            backends = list(self._backends.values())
+            self._backends.clear()
+        if self.remote is not None:
+            backends.append(self.remote)
+        for backend in backends:
+            await backend.aclose()
+
+
+def _close_soon(backend: SpeechBackend) -> None:
+    """Give a backend back without blocking the caller (closing the last lease joins threads)."""
+    threading.Thread(target=lambda: asyncio.run(backend.aclose()), daemon=True).start()

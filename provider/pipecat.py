@@ -28,27 +28,21 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode, TTSService
+from pipecat.transcriptions.language import Language
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.tracing.service_decorators import traced_tts
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
-from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel
+from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel, releases
 from intone.engine.audio import to_pcm16
-from intone.provider import backends
+from intone.engine.errors import UnknownModelError
+from intone.engine.options import option_names
+from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind, is_busy
 
-# Generation settings a turn's stream takes from the service settings.
-GENERATION_FIELDS = (
-    "temperature",
-    "eos_threshold",
-    "frames_after_eos",
-    "max_frames",
-    "noise_clamp",
-    "seed",
-    "chain_frames",
-    "speed",
-    "normalize",
-)
+# Generation settings a turn's stream takes from the service settings: GenerationOptions'
+# fields, less flow_steps, which is fixed per engine.
+GENERATION_FIELDS = tuple(name for name in option_names() if name != "flow_steps")
 
 # Retries of a turn whose stream the engine or server refused as busy, before its first audio:
 # waits of 0.05, 0.1, 0.2, 0.4 and 0.8 s (1.55 s in all), then a non-permanent error.
@@ -149,6 +143,12 @@ class IntoneTTSService(TTSService):
 
     Remote mode: `base_url="ws://host:port"` sends the text to an `intone serve` process (its
     engine batches the requests of every client) through `intone.provider.client`.
+
+    Languages: `language=Language.FR` speaks with that language's model (`french_24l`, as
+    Pipecat's Pocket TTS service maps it; one model per language, `intone models`), `model=` with
+    any model. A `language` or `model` settings update moves later turns to that model's engine
+    (in-process, its shared engine is loaded on first use); a language without a model fails
+    those turns with an error naming the languages there are, rather than speaking English.
     """
 
     Settings = IntoneTTSSettings
@@ -158,6 +158,7 @@ class IntoneTTSService(TTSService):
         self,
         *,
         model: str | Path | LoadedModel | None = None,
+        language: Language | str | None = None,
         base_url: str | None = None,
         engine: Engine | None = None,
         engine_config: EngineConfig | None = None,
@@ -171,8 +172,10 @@ class IntoneTTSService(TTSService):
         process), unless it is already running.
 
         Args:
-            model: checkpoint directory, config .yaml, hf:// path or "kyutai/pocket-tts" (the
-                default); a `LoadedModel` also works.
+            model: a released model's name (`intone models`), checkpoint directory, config
+                .yaml, hf:// path or "kyutai/pocket-tts" (the default); a `LoadedModel` also
+                works. In remote mode, one of the server's models.
+            language: speak with this language's model (when `model` is not given).
             base_url: an `intone serve` address; speech is then made by that server.
             engine: an engine you built and own: used as is, never closed by the service.
             engine_config: settings for the shared engine if this service creates it.
@@ -182,16 +185,22 @@ class IntoneTTSService(TTSService):
             word_timestamps: push word-timed text frames (on by default).
             **kwargs: passed to `TTSService` (e.g. `sample_rate`).
         """
-        if isinstance(model, LoadedModel):
-            model_name = model.source
+        if engine is not None and (model is not None or language is not None):
+            raise ValueError("an engine of yours speaks its own model: no model= or language=")
+        # The model new turns speak with, or why there is none (an unknown language).
+        self._model: registry.ModelSpec | UnknownModelError = registry.pick_model(
+            model, None if language is None else str(language)
+        )
+        if isinstance(self._model, LoadedModel):
+            model_name = self._model.source
         elif engine is not None:
             model_name = engine.loaded.source
         else:
-            model_name = str(model) if model is not None else "kyutai/pocket-tts"
+            model_name = str(self._model) if self._model is not None else "kyutai/pocket-tts"
         default_settings = self.Settings(
             model=model_name,
             voice=None,
-            language=None,
+            language=language,
             **{name: None for name in GENERATION_FIELDS},
         )
         if settings is not None:
@@ -208,18 +217,34 @@ class IntoneTTSService(TTSService):
         self._word_timestamps = word_timestamps
         self._turns: dict[str, _Turn] = {}
         self._failed: set[str] = set()  # contexts whose stream could not be opened or fed
-        self._model = model
-        self._engine_config = engine_config
-        # In-process, the registry loads the model once per process and every service of the
-        # same model shares its engine; a load blocks, so it waits for `start()`.
-        self._backend: backends.SpeechBackend | None = backends.make_backend(
-            model=model, base_url=base_url, engine=engine, load=False
-        )
+        if model is None and engine is None and language is None:
+            # A language in `settings` picks the model as `language=` does.
+            chosen = self._settings.language
+            if is_given(chosen) and chosen is not None:
+                self._model = _language_model(str(chosen))
+                self._settings.model = str(self._model)
+        # In-process, the registry loads each model once per process and every service of the
+        # same model shares its engine; a load blocks, so it waits for `start()` (or, after a
+        # model change, the first turn of the new model), unless the engine already runs.
+        self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
+        self._backends.adopt_loaded(self._model)
 
     @property
     def engine(self) -> Engine | None:
-        """The in-process engine (None in remote mode, and before `start()` loads it)."""
-        return self._backend.shared_engine if self._backend is not None else None
+        """The in-process engine of the current model (None in remote mode, and before it
+        loads)."""
+        if isinstance(self._model, UnknownModelError):
+            return None
+        backend = self._backends.current(self._model)
+        return backend.shared_engine if backend is not None else None
+
+    def language_to_service_language(self, language: Language) -> str | None:
+        """The model of `language` (what `settings.language` then holds); None if there is
+        none, which `_update_settings` reports."""
+        try:
+            return releases.model_for_language(str(language))
+        except UnknownModelError:
+            return None
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -231,25 +256,29 @@ class IntoneTTSService(TTSService):
 
     async def _update_settings(self, delta: TTSSettings) -> dict[str, Any]:
         changed = await super()._update_settings(delta)
-        # Voice and generation settings are read when a turn's stream opens; the model is fixed.
-        unhandled = {k: v for k, v in changed.items() if k in ("model", "language")}
-        if unhandled:
-            self._warn_unhandled_updated_settings(unhandled)
+        # Voice, generation settings and the model are read when a turn's stream opens.
+        if "model" in changed and self._settings.model is not None:
+            self._model = str(self._settings.model)
+        elif "language" in changed and self._settings.language is not None:
+            try:
+                self._model = _language_model(str(self._settings.language))
+            except UnknownModelError as e:
+                self._model = e
+                await self.push_error(error_msg=str(e), exception=e)
         return changed
 
     async def start(self, frame: StartFrame) -> None:
         await super().start(frame)
-        if self._backend is None:
+        remote = self._backends.remote
+        if remote is None and not isinstance(self._model, UnknownModelError):
             # Off the event loop: other pipelines of the process keep running while it loads.
-            self._backend = await backends.make_backend_async(
-                model=self._model, engine_config=self._engine_config
-            )
-        if isinstance(self._backend, backends.RemoteBackend):
+            await self._backends.get(self._model)
+        if remote is not None:
             # Connect now rather than on the first turn's text; a failure is reported then.
             try:
-                await self._backend.connect()
+                await remote.connect()
             except Exception as e:
-                logger.warning(f"{self}: cannot reach {self._backend.base_url} yet: {e}")
+                logger.warning(f"{self}: cannot reach {remote.base_url} yet: {e}")
                 await self._call_event_handler("on_connection_error", str(e))
             else:
                 await self._call_event_handler("on_connected")
@@ -258,11 +287,10 @@ class IntoneTTSService(TTSService):
         await super().cleanup()
         for turn in list(self._turns.values()):
             await self._drop_turn(turn)
-        if self._backend is not None:
-            # Gives this service's hold on the shared engine back; other holders keep it.
-            await self._backend.aclose()
-            if isinstance(self._backend, backends.RemoteBackend):
-                await self._call_event_handler("on_disconnected")
+        # Gives this service's hold on the shared engines back; other holders keep them.
+        await self._backends.aclose()
+        if self._backends.remote is not None:
+            await self._call_event_handler("on_disconnected")
 
     # ---- text in
 
@@ -316,14 +344,14 @@ class IntoneTTSService(TTSService):
             turn.speech.cancel()  # whitespace only: nothing to say
 
     async def _open_turn(self, context_id: str) -> _Turn:
-        if self._backend is None:
-            raise RuntimeError(f"{self} was not started")
+        if isinstance(self._model, UnknownModelError):
+            raise self._model
         # Before the turn's first audio a busy engine or server is worth waiting for.
         for delay in (*BUSY_RETRY_DELAYS_S, None):
             try:
                 # A remote server resamples to the rate asked for; the engine yields its own.
-                speech = await self._backend.open_stream(
-                    self._settings.voice, self._settings.generation(), self.sample_rate
+                speech = await self._backends.open_stream(
+                    self._model, self._settings.voice, self._settings.generation(), self.sample_rate
                 )
                 break
             except Exception as e:
@@ -423,6 +451,14 @@ _CATEGORIES = {
     Kind.AUTH: ErrorCategory.AUTHENTICATION,
     Kind.UNKNOWN: ErrorCategory.UNKNOWN,
 }
+
+
+def _language_model(language: str) -> str:
+    """The model of a settings language: known languages arrive as their model's name
+    (`language_to_service_language`), others as given (UnknownModelError names the known)."""
+    if releases.release_name(language) is not None:
+        return language
+    return releases.model_for_language(language)
 
 
 def _error_category(e: Exception) -> ErrorCategory:

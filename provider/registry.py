@@ -19,9 +19,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from intone.engine import Engine, EngineConfig, GenerationOptions, LoadedModel
+from intone.engine import Engine, EngineConfig, GenerationOptions, LoadedModel, releases
 from intone.engine.errors import UnknownVoiceError
-from intone.engine.loading import DEFAULT_MODEL, RELEASED_ALIASES
+from intone.engine.loading import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,25 @@ def model_key(model: ModelSpec) -> str:
     if isinstance(model, LoadedModel):
         model = model.source
     name = DEFAULT_MODEL if model is None else str(model)
-    if name in RELEASED_ALIASES or name.startswith("hf://"):
-        return DEFAULT_MODEL if name in RELEASED_ALIASES else name
+    release = releases.release_name(name)
+    if release is not None:  # a release by any of its names ("fr", "french_24l")
+        return DEFAULT_MODEL if release == releases.DEFAULT_RELEASE else release
+    if name.startswith("hf://"):
+        return name
     path = Path(name).expanduser().resolve()
     # A checkpoint directory and its config.yaml are the same model.
     return str(path / "config.yaml") if path.is_dir() else str(path)
+
+
+def pick_model(model: ModelSpec, language: str | None) -> ModelSpec:
+    """The model a TTS speaks with: `model` if given, else `language`'s (a code such as "fr"
+    or "fr-FR"; `releases.LANGUAGE_MODELS`), else the default. An unknown language raises
+    UnknownModelError naming the known ones: never a silent fallback to English."""
+    if model is not None:
+        return model
+    if language is not None:
+        return releases.model_for_language(language)
+    return None
 
 
 @dataclass

@@ -31,11 +31,20 @@ def tiny_voice(tiny_model: LoadedModel, tiny_checkpoint: Path) -> Voice:
     return load_voice(tiny_model.model, "default", tiny_checkpoint / "voices" / "default.wav")
 
 
+# Opt-in markers: tests too slow for the default run (and CI), and what -m turns each on.
+OPT_IN = {
+    "ray": ("ray",),  # a local Ray Serve cluster
+    "releases": ("releases", "full"),  # every full-size release against the reference
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`ray` tests start a local Ray cluster: opt-in, with `-m ray` (or any -m naming it)."""
-    if "ray" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="opt-in: run with -m ray")
-    for item in items:
-        if "ray" in item.keywords:
-            item.add_marker(skip)
+    """Opt-in tests are skipped unless -m names their marker (or one that includes them)."""
+    expression = config.getoption("markexpr") or ""
+    for marker, enabling in OPT_IN.items():
+        if any(name in expression for name in enabling):
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in: run with -m {enabling[-1]}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

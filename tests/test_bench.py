@@ -34,6 +34,7 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
     batched = runs[("batched", 2)]["batch_mean"]
     assert set(batched) == {"prefill", "generate", "decode"}
     assert all(v >= 1 for v in batched.values())
+    assert batched["generate"] > 1, "two concurrent requests never shared an AR step"
     assert set(results["capacity"]) == {"sequential", "batched"}
     assert results["acceptance"]["batched"]["vs sequential"]["ttfa_p50_c1"] > 0
     for name in ("results.md", "ttfa.png", "throughput.png"):

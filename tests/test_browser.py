@@ -240,3 +240,36 @@ async def test_demo_page_streams_audio_and_stops(chromium_path, tiny_checkpoint,
                 assert cdp.exceptions == [], cdp.exceptions
                 cdp.reader.cancel()
         await wait_engine_idle(engine, pages)
+
+
+async def test_demo_page_takes_the_api_key(chromium_path, tiny_checkpoint, tmp_path):
+    """With keys set, the page without one is told so (close 4401); with `?key=` it connects
+    (the key as a WebSocket subprotocol), polls the stats (Bearer) and speaks."""
+    with running_server(tiny_checkpoint, api_keys=("page-key",)) as (server, engine):
+        pages = idle_pages(engine)
+        with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
+            async with connect(browser_url, max_size=2**26) as ws:
+                cdp = Cdp(ws)
+                target = await cdp.send("Target.createTarget", {"url": "about:blank"})
+                attached = await cdp.send(
+                    "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
+                )
+                page = attached["sessionId"]
+                await cdp.send("Runtime.enable", session=page)
+                await cdp.send("Page.enable", session=page)
+                await cdp.send("Page.navigate", {"url": f"{server.url}/"}, page)
+                await cdp.wait_for(
+                    page,
+                    "(document.getElementById('status') || {}).textContent === "
+                    "'unauthorized: enter the API key'",
+                )
+                await cdp.send("Page.navigate", {"url": f"{server.url}/?key=page-key"}, page)
+                await cdp.wait_for(page, "window.intone && window.intone.connected")
+                await cdp.wait_for(page, "window.intone.lastStats !== undefined")
+                await cdp.click(page, "speak")
+                await cdp.wait_for(page, "window.intone.framesReceived >= 3")
+                await cdp.click(page, "stop")
+                await cdp.wait_for(page, "window.intone.cancelledEvents === 1")
+                assert cdp.exceptions == [], cdp.exceptions
+                cdp.reader.cancel()
+        await wait_engine_idle(engine, pages)

@@ -21,8 +21,9 @@ from intone.provider.client import IntoneClient, IntoneConnectionError
 
 
 class Relay:
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, then: str | None = None):
         self.upstream = upstream  # ws://host:port; new connections go here
+        self.then = then  # if set: where connections go after the next one
         self.links: set[tuple[ServerConnection, object]] = set()
 
     async def __aenter__(self) -> Relay:
@@ -38,8 +39,13 @@ class Relay:
         return f"ws://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _relay(self, client: ServerConnection) -> None:
+        target = self.upstream
+        if self.then is not None:
+            self.upstream, self.then = self.then, None
         async with connect(
-            self.upstream + client.request.path, compression=None, max_size=2**24
+            target + client.request.path,
+            compression=None,
+            max_size=2**24,
         ) as upstream:
             link = (client, upstream)
             self.links.add(link)
@@ -171,3 +177,27 @@ async def test_drain_cancel_before_first_audio_retries_elsewhere(servers):
         await pending.end_input()
         assert await _rest(pending)
         assert not pending.cancelled and client.reconnects == 1
+
+
+async def test_plugins_remote_backend_retries_a_draining_server(servers):
+    """A turn refused with `shutting_down` (server A drained by the test above) is retried on a
+    fresh connection, which the load balancer sends to server B."""
+    from intone.provider.backends import RemoteBackend
+
+    a, b = servers
+    assert a.app.state.intone.draining
+    async with Relay(f"ws://127.0.0.1:{a.port}", then=f"ws://127.0.0.1:{b.port}") as relay:
+        backend = RemoteBackend(relay.url)
+        try:
+            turn = await backend.open_stream(None, {"seed": 7})
+            await turn.push_text("Spoken by the server that is not draining.")
+            await turn.end_input()
+            assert await asyncio.wait_for(_count_audio(turn), 60) > 0
+        finally:
+            await backend.aclose()
+
+
+async def _count_audio(turn) -> int:
+    from intone.engine import AudioChunk
+
+    return sum([len(e.samples) async for e in turn if isinstance(e, AudioChunk)])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_oracle import NO_EOS, Reference, ours, relative_error
 
-from intone.engine import Engine, EngineConfig
+from intone.engine import AudioChunk, Engine, EngineConfig
 from intone.engine.checkpoint import TINY_FAMILIES, make_checkpoint
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
@@ -92,7 +92,8 @@ def test_tiny_family_equals_reference(
     preset: str, family_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     path = checkpoint(family_checkpoints, preset, tmp_path_factory)
-    check_against_reference(path, TEXTS[checkpoint_language(path)])
+    errors = check_against_reference(path, TEXTS[checkpoint_language(path)])
+    print(f"{preset}: {errors}")  # shown with -s: the numbers for the notes
 
 
 @pytest.mark.parametrize(
@@ -118,6 +119,7 @@ def test_out_of_vocabulary_and_short_texts_equal_reference(
 
 
 @pytest.mark.full
+@pytest.mark.releases  # about 14 min on 2 cores: opt-in (-m full), not in the default run
 @pytest.mark.parametrize("release", FULL_RELEASES)
 def test_full_release_equals_reference(
     release: str, tmp_path_factory: pytest.TempPathFactory
@@ -146,9 +148,8 @@ async def engine_audio(engine: Engine, text: str, opts: GenerationOptions) -> np
     chunks = []
     async with asyncio.timeout(60):
         async for event in stream:
-            samples = getattr(event, "samples", None)
-            if samples is not None:
-                chunks.append(samples)
+            if isinstance(event, AudioChunk):
+                chunks.append(event.samples)
     return np.concatenate(chunks)
 
 

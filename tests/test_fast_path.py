@@ -9,9 +9,10 @@ so the fast path has its own, against the float32 single-request path on the sam
 - relative RMS error of the waveform:           ||fast - fp32|| / ||fp32|| <= 5e-3
 - per-frame log-spectral distance (1920-sample frames, Hann window, dB): mean <= 0.5, max <= 1.5
 
-Measured on the generated checkpoints (random weights), bf16 engine vs fp32 single path:
-tiny ~2e-5 relative RMS and <= 0.05 dB per frame; full size ~2e-4 and <= 0.3 dB. The int8 decoder
-transformer alone (the default on CPUs without native bf16): tiny ~1e-5, full ~5e-5 and <= 0.05 dB.
+Measured on the generated checkpoints (random weights) against the fp32 single path, full size,
+temperature 0.3: the default on a CPU without native bf16 (int8 decoder transformer linears only)
+4.3e-5 relative RMS, <= 0.05 dB per frame (tiny ~1e-5); `dtype="bfloat16"` (bf16 FlowLM too)
+9.4e-5 and <= 0.08 dB (before the current attention path: ~2e-4 and <= 0.3 dB).
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ from intone.provider.server import create_app
 FAST = {"eos_threshold": 1e9, "max_frames": 8}
 NO_RETRY = APIConnectOptions(max_retry=0, timeout=5.0)
 FRAME_SECONDS = 0.08  # one Mimi frame at 12.5 Hz
+# A turn that keeps its batch slot for a while: a clause of up to 32 s, generated at playback
+# pace. (A turn waiting for text holds no slot: only one generating does.)
+LONG = {"eos_threshold": 1e9, "max_frames": 400}
 # How far LiveKit's transcript synchronizer may trail the audio on a busy 2-core machine.
 LAG_SECONDS = 0.4
 
@@ -150,8 +153,11 @@ async def wait_until(condition, timeout: float = 5.0, interval: float = 0.01) ->
 
 def idle(engine: Engine, pages_at_idle: int) -> bool:
     m = engine.metrics()
+    # streams_open too: a turn parked waiting for text holds no batch slot, and a cancelled one
+    # is counted when its stream ends.
     return (
-        m["active_requests"] == 0
+        m["streams_open"] == 0
+        and m["active_requests"] == 0
         and m["queued_requests"] == 0
         and m["kv_pages_in_use"] == pages_at_idle
     )
@@ -263,7 +269,9 @@ async def test_barge_in_stops_audio_and_frees_the_engine(
     handle = session.generate_reply(user_input="Talk to me.")
     await wait_until(lambda: output.first_frame_at is not None)
     await asyncio.sleep(0.3)
-    assert engine.metrics()["active_requests"] == 1  # mid-utterance
+    # Mid-utterance: the turn's request is open (generating, or parked waiting for the LLM's
+    # next clause, which holds no batch slot).
+    assert engine.metrics()["streams_open"] == 1
     await session.interrupt()
     await handle
     assert handle.interrupted
@@ -339,10 +347,10 @@ async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint:
 
 async def test_load_fnc_reflects_engine_occupancy(engine: Engine, tiny_checkpoint: Path):
     assert intone.load_fnc() == 0.0
-    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    tts = intone.TTS(model=tiny_checkpoint, **LONG)
     streams = [tts.stream() for _ in range(4)]
     for stream in streams:
-        stream.push_text("An open turn that waits for the rest of its text")
+        stream.push_text("An open turn that speaks a long clause, then waits for more text")
     await wait_until(lambda: intone.load_fnc() == 4 / engine.config.max_active)
     for stream in streams:
         await stream.aclose()
@@ -352,10 +360,10 @@ async def test_load_fnc_reflects_engine_occupancy(engine: Engine, tiny_checkpoin
 
 async def test_load_is_full_when_every_slot_is_taken(tiny_checkpoint: Path, tmp_path):
     model = shutil.copytree(tiny_checkpoint, tmp_path / "two-slots")
-    tts = intone.TTS(model=model, engine_config=EngineConfig(max_active=2), **FAST)
+    tts = intone.TTS(model=model, engine_config=EngineConfig(max_active=2), **LONG)
     streams = [tts.stream() for _ in range(3)]  # two generate, one waits for a slot
     for stream in streams:
-        stream.push_text("Waiting for more text")
+        stream.push_text("A long clause that keeps its slot, then waiting for more text")
     await wait_until(lambda: tts.engine is not None and registry.occupancy(tts.engine) == 1.0)
     assert intone.load_fnc() == 1.0
     for stream in streams:
@@ -378,7 +386,7 @@ async def test_errors_map_to_api_errors(tiny_model):
 
         # The one batch slot taken by an open turn: the next request waits in the queue
         # and times out; the one after finds the queue full.
-        holder = tts.stream()
+        holder = intone.TTS(engine=engine, **LONG).stream()
         holder.push_text("This open turn has a first clause, and then it waits")
         await wait_until(lambda: engine.metrics()["active_requests"] == 1)
         queued = tts.stream(conn_options=APIConnectOptions(max_retry=0, timeout=0.5))
@@ -389,7 +397,9 @@ async def test_errors_map_to_api_errors(tiny_model):
                 pass
         assert errors and not errors[-1].recoverable
         await wait_until(lambda: engine.metrics()["queued_requests"] == 0)
-        waiting = engine.stream()  # occupies the queue's one place
+        waiting = engine.stream()  # with text, it occupies the queue's one place
+        waiting.push_text("Hello there.")
+        waiting.flush()
         with pytest.raises(APIStatusError) as full:
             await tts.synthesize("Full.", conn_options=NO_RETRY).collect()
         assert full.value.status_code == 503 and full.value.retryable

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.conv import State
@@ -78,7 +79,8 @@ def test_gemm_decoder_equals_mimi(checkpoint: str, tiny_model: LoadedModel, requ
 @pytest.mark.parametrize("int8", [False, True])
 @torch.no_grad()
 def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int8: bool):
-    """Rows gathered from a state pool at different points decode as they would alone.
+    """Rows of a state pool (the engine's layout: conv histories gathered and scattered, the
+    attention rings read and written in place) at different points decode as they would alone.
 
     int8 quantizes each call's activations with one scale for the batch, so there a row's
     rounding depends on its batch-mates: its audio is equal within the fast path's order of
@@ -89,15 +91,19 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
     assert decoder.int8 == int8
     rtol = 1e-3 if int8 else 1e-5
     pool = DecoderStatePool(decoder, 4, torch.device("cpu"))
+    assert pool.in_place and all(name.startswith("transformer.") for name in pool.in_place)
     gen = torch.Generator().manual_seed(2)
     slots = [pool.acquire() for _ in range(3)]
+    alone = {}
     for slot, frames in zip(slots, (3, 0, 20), strict=True):
         index = torch.tensor([slot])
+        alone[slot] = decoder.init_decoder_state(1)
         for _ in range(frames):
+            latent = torch.randn(1, 1, 32, generator=gen)
             state = pool.gather(index)
-            decoder.decode(torch.randn(1, 1, 32, generator=gen), state)
+            pool_audio = decoder.decode(latent, state)
             pool.scatter(index, state)
-    alone = {slot: pool.gather(torch.tensor([slot])) for slot in slots}
+            torch.testing.assert_close(pool_audio, decoder.decode(latent, alone[slot]))
     index = torch.tensor(slots[::-1])
     batch_state = pool.gather(index)
     latents = torch.randn(3, 2, 32, generator=gen)
@@ -107,9 +113,33 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
         single = decoder.decode(latents[row : row + 1], alone[slot])
         atol = rtol * single.abs().max().item()
         torch.testing.assert_close(batched[row : row + 1], single, rtol=rtol, atol=atol)
-        after = pool.gather(torch.tensor([slot]))
         for name, tensor in alone[slot].items():
             if int8 and name.startswith("transformer."):
                 continue
             scale = rtol * max(1.0, tensor.abs().max().item()) if tensor.numel() else 0.0
-            torch.testing.assert_close(after[name], tensor, rtol=rtol, atol=scale)
+            got = pool.rows[name][slot : slot + 1]
+            torch.testing.assert_close(got, tensor, rtol=rtol, atol=scale)
+
+
+@torch.no_grad()
+def test_engine_decode_calls_equal_mimi_per_row(tiny_checkpoint):
+    """ModelRunner.decode (float32) on unsorted subsets of its rows, a run of slots among them:
+    each row's audio is Mimi.decode of that row's own history."""
+    loaded = load_model(tiny_checkpoint)
+    engine = Engine(loaded, EngineConfig(dtype="float32", torch_threads=0, max_active=8))
+    try:
+        runner, mimi = engine.runner, loaded.model.mimi
+        slots = [runner.decoder_states.acquire() for _ in range(8)]
+        alone = {slot: mimi.init_decoder_state(1) for slot in slots}
+        order = [5, 2, 7, 0, 3, 1, 6, 4]
+        gen = torch.Generator().manual_seed(0)
+        for step in range(5):
+            rows = [slots[i] for i in order[: 8 - step % 3]]
+            latents = torch.randn(len(rows), 2, 32, generator=gen)
+            got = runner.decode(rows, latents)
+            for j, slot in enumerate(rows):
+                z = loaded.model.flow_lm.denormalize(latents[j : j + 1])
+                want = mimi.decode(z, alone[slot])[0, 0]
+                torch.testing.assert_close(got[j], want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    finally:
+        engine.close()

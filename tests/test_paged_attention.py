@@ -241,7 +241,8 @@ def test_shared_voice_prefix_and_private_copy_page(
     blocks = BlockManager(60, page_size)
     random.Random(page_size).shuffle(blocks.free_pages)
     runner = ModelRunner(model, blocks, 2, 1, torch.device("cpu"))
-    voice_table = runner.add_voice(tiny_voice)
+    voice_table = blocks.allocate(tiny_voice.length)
+    runner.write_voice(voice_table, tiny_voice)
     voice_slots = blocks.slots(voice_table)
     voice_kv = [t.clone() for t in runner.pool.read(voice_slots)]
     torch.testing.assert_close(voice_kv[0], tiny_voice.keys)
@@ -263,7 +264,10 @@ def test_shared_voice_prefix_and_private_copy_page(
     assert all(blocks.ref_counts[p] == 1 + len(prompts) for p in full_pages)
 
     # Prefill through the runner (packed), then compare each with its contiguous reference by
-    # reading its keys/values and stepping both with the same decode inputs.
+    # reading its keys/values and stepping both with the same decode inputs. The engine extends
+    # the page tables before a step (the runner never changes page bookkeeping).
+    for request in requests:
+        blocks.extend(request.table, request.prompt.shape[0])
     runner.prefill(requests)
     for request, ref, prompt in zip(requests, refs, prompts, strict=True):
         ref.step(prompt)
@@ -378,7 +382,8 @@ def test_attention_equals_previous_path(
     blocks = BlockManager(160, page_size)
     random.Random(7).shuffle(blocks.free_pages)
     runner = ModelRunner(model, blocks, 2, 1, torch.device("cpu"))
-    voice_table = runner.add_voice(voice)
+    voice_table = blocks.allocate(voice.length)
+    runner.write_voice(voice_table, voice)
     lengths = [3, 17, 8, 1] if checkpoint == "tiny" else [5, 12]
     decode_steps = 5
     tables = []

@@ -46,12 +46,16 @@ from pipecat.utils.errors import ErrorCategory
 
 from intone.engine import Engine, EngineConfig
 from intone.provider import registry
+from intone.provider.backends import engine_options
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
 
 FAST_FIELDS = {"eos_threshold": 1e9, "max_frames": 8}
 FAST = IntoneTTSService.Settings(**FAST_FIELDS)
 CLAUSE_SECONDS = 8 * 0.08  # 8 Mimi frames at 12.5 Hz
+# A turn that keeps its batch slot for a while: a clause of up to 32 s, generated at playback
+# pace. (A turn waiting for text holds no slot: only one generating does.)
+LONG_FIELDS = {"eos_threshold": 1e9, "max_frames": 400}
 METRICS = PipelineParams(enable_metrics=True, enable_usage_metrics=True)
 
 
@@ -74,8 +78,10 @@ def metrics_of(frames: list[Frame], kind: type) -> list:
 
 def idle(engine: Engine, pages_at_idle: int) -> bool:
     m = engine.metrics()
+    # streams_open too: a turn parked waiting for text holds no batch slot.
     return (
-        m["active_requests"] == 0
+        m["streams_open"] == 0
+        and m["active_requests"] == 0
         and m["queued_requests"] == 0
         and m["kv_pages_in_use"] == pages_at_idle
     )
@@ -426,10 +432,12 @@ async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
     permanent."""
     engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
     try:
-        holder = engine.stream()
+        holder = engine.stream(None, engine_options(engine, LONG_FIELDS))
         holder.push_text("This open turn takes the one batch slot, and then it waits")
         await wait_for(lambda: engine.metrics()["active_requests"] == 1)
-        waiting = engine.stream()  # takes the queue's one place
+        waiting = engine.stream()  # with text, it takes the queue's one place
+        waiting.push_text("Hello there.")
+        waiting.flush()
 
         async def make_room() -> None:
             await asyncio.sleep(0.3)
@@ -446,10 +454,13 @@ async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
         assert seconds(down) == pytest.approx(CLAUSE_SECONDS, abs=0.01)
 
         await wait_for(lambda: engine.metrics()["active_requests"] == 0)
-        full = [engine.stream()]
-        full[0].push_text("The slot, for good, ")
+        full = [engine.stream(None, engine_options(engine, LONG_FIELDS))]
+        # One long first clause: a stream's next clause queues again, behind the others' first.
+        full[0].push_text("A long clause that keeps the slot for good, then waiting for more text")
         await wait_for(lambda: engine.metrics()["active_requests"] == 1)
         full.append(engine.stream())  # and the queue
+        full[1].push_text("Hello there.")
+        full[1].flush()
         down, up = await run_test(
             IntoneTTSService(engine=engine, settings=FAST),
             frames_to_send=[TTSSpeakFrame("No room at all."), SleepFrame(2.0)],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ MANIFEST = ROOT / "docs" / "deploy" / "rayservice.yaml"
 STREAMS_PER_CONNECTION = 2
 MAX_ACTIVE = 8
 CONNECTIONS_PER_REPLICA = MAX_ACTIVE // STREAMS_PER_CONNECTION
+KEY = "ray-test-key"
 TEXT = "Hello there. This is a test of the scale-out path, one clause after another."
 
 
@@ -106,14 +108,46 @@ def test_rayservice_manifest():
     app = schema.applications[0]
     assert app.import_path == "intone.provider.server.ray_serve:app_builder"
     assert app.route_prefix == "/"
+    # KubeRay's v1 RayServiceSpec / RayClusterSpec field names (deprecated ones refused).
+    assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy"}
     cluster = spec["rayClusterConfig"]
-    assert cluster["headGroupSpec"]["rayStartParams"]
-    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+    assert set(cluster) <= {
+        "rayVersion",
+        "enableInTreeAutoscaling",
+        "autoscalerOptions",
+        "headGroupSpec",
+        "workerGroupSpecs",
+        "headServiceAnnotations",
+    }
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        # rayStartParams is a map of strings; every pod needs a container with an image.
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values())
         containers = group["template"]["spec"]["containers"]
         assert containers and all(c["image"] for c in containers)
+    for group in cluster["workerGroupSpecs"]:
+        assert (
+            group["groupName"] and group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        )
     # The args parse as `intone serve` flags and build the deployment.
     bound = app_builder(app.args)
     assert bound is not None
+
+
+async def test_an_unhealthy_engine_fails_the_replica_health_check(tiny_checkpoint: Path):
+    """What `check_health` raises on: the engine's own health (here: closed under the server)."""
+    from intone.provider.server.app import create_app
+    from intone.provider.server.ray_serve import unhealthy_reason
+
+    app = create_app(model=str(tiny_checkpoint), fallback_preset=None)
+    runtime = app.state.intone
+    try:
+        assert await unhealthy_reason(runtime) is None
+        runtime.engine.close()
+        reason = await unhealthy_reason(runtime)
+        assert reason and not runtime.engine.health().ok
+    finally:
+        await runtime.close()
 
 
 # ---- a local Ray cluster with two replicas
@@ -127,8 +161,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint: Path):
+    """The app behind Ray's proxy, with an API key (IntoneClient reads INTONE_API_KEY)."""
     from ray import serve
 
+    saved_key = os.environ.get("INTONE_API_KEY")
+    os.environ["INTONE_API_KEY"] = KEY
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="intone-test")
     try:
@@ -137,7 +174,7 @@ def cluster(tiny_checkpoint: Path):
             model=str(tiny_checkpoint),
             fallback_preset=None,
             engine_config=EngineConfig(max_active=MAX_ACTIVE),
-            settings=ServerSettings(drain_timeout=5.0),
+            settings=ServerSettings(drain_timeout=5.0, api_keys=(KEY,)),
         )
         layout = RayOptions(
             replicas=2,
@@ -152,6 +189,10 @@ def cluster(tiny_checkpoint: Path):
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        if saved_key is None:
+            os.environ.pop("INTONE_API_KEY", None)
+        else:
+            os.environ["INTONE_API_KEY"] = saved_key
 
 
 def _replica_actor(replica: str):
@@ -162,7 +203,11 @@ def _replica_actor(replica: str):
 
 
 async def _raw_connection(url: str, timeout: float = 10.0):
-    ws = await connect(f"{url}/v1/stream", open_timeout=timeout)
+    ws = await connect(
+        f"{url}/v1/stream",
+        open_timeout=timeout,
+        additional_headers={"Authorization": f"Bearer {KEY}"},
+    )
     hello = json.loads(await asyncio.wait_for(ws.recv(), timeout))
     assert hello["limits"]["max_streams"] == STREAMS_PER_CONNECTION
     return ws, ws.response.headers[REPLICA_HEADER]
@@ -185,6 +230,11 @@ async def test_streams_and_openai_requests_spread_over_both_replicas(cluster):
     assert len({replica for replica, _ in served}) == 2, served
 
     async with httpx.AsyncClient(timeout=60) as http:
+        # Keys and voice aliases work through the proxy as they do without it.
+        body = {"model": "tts-1", "voice": "alloy", "input": "Hi.", "response_format": "pcm"}
+        refused = await http.post(f"{cluster.http}/v1/audio/speech", json=body)
+        assert refused.status_code == 401
+        http.headers["authorization"] = f"Bearer {KEY}"
 
         async def speech() -> tuple[str, int]:
             # Long enough that all 8 are in flight at once: 4 fill a replica.

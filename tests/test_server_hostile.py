@@ -74,9 +74,37 @@ ws_message = st.fixed_dictionaries(
         "seconds": junk,
     },
 )
+good_ids = st.sampled_from(["a", "b", "c"])
+good_text = st.one_of(st.sampled_from(["Hi there. ", "Yes.", " "]), junk_text)
+# Mostly well-formed streams, so that many streams start and then meet the hostile messages.
+plausible = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("start"), "stream": good_ids, "options": st.just(FAST)},
+        optional={
+            "text": good_text,
+            "end": st.booleans(),
+            "voice": st.sampled_from(["alloy", "nobody"]),
+            "sample_rate": st.sampled_from([16000, 8000, 48000]),
+        },
+    ),
+    st.fixed_dictionaries({"type": st.just("text"), "stream": good_ids, "text": good_text}),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["end", "flush", "cancel"]), "stream": good_ids}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("playback"), "stream": good_ids, "seconds": st.floats(0, 5)}
+    ),
+)
+
+
+def _encode(message: dict) -> str:
+    return json.dumps(message).replace(f'"{BIG}"', "9" * 5000)
+
+
 raw_frames = st.one_of(
-    ws_message.map(lambda m: json.dumps(m).replace(f'"{BIG}"', "9" * 5000)),
-    ws_message.map(lambda m: json.dumps(m).replace(f'"{BIG}"', "9" * 5000)),
+    plausible.map(_encode),
+    plausible.map(_encode),
+    ws_message.map(_encode),
     st.sampled_from(["{", "[]", "null", '{"type": NaN}', "x" * 5000]),
     st.binary(max_size=16),
 )
@@ -143,7 +171,7 @@ http_body = st.fixed_dictionaries(
 )
 @given(
     body=st.one_of(
-        http_body.map(lambda b: json.dumps(b).replace(f'"{BIG}"', "9" * 5000).encode()),
+        http_body.map(lambda b: _encode(b).encode()),
         st.binary(max_size=40),
     )
 )
@@ -248,10 +276,53 @@ async def test_slow_reader_is_dropped_while_another_stays_real_time(tiny_checkpo
             stats = await wait_server_streams(server.url, 0, timeout=15)
             assert stats["server"]["errors"].get("slow_client", 0) >= 1, stats
             await wait_engine_idle(engine, pages, timeout=15)
+            # Its connection goes too (once the close handshake gives up on it).
+            runtime = server.app.state.intone
+            deadline = time.monotonic() + 30
+            while runtime.connections or runtime.limits.connections:
+                assert time.monotonic() < deadline, (
+                    runtime.connections,
+                    runtime.limits.connections,
+                )
+                await asyncio.sleep(0.1)
         finally:
             sampler.cancel()
             silent.close()
         assert peak - rss_before < RSS_BOUND_MB, (rss_before, peak)
+
+
+async def test_http_slow_reader_is_cut_and_its_socket_closed(tiny_checkpoint):
+    settings_ = dict(slow_client_timeout=2.0)
+    with running_server(tiny_checkpoint, **settings_) as (server, engine):
+        pages = idle_pages(engine)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        text = ((LONG_TEXT + " ") * 6)[:19_000]  # minutes of audio: more than socket buffers
+        body = json.dumps({"input": text, "response_format": "pcm", "sample_rate": 48000})
+        writer.write(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body.encode()
+        )
+        await writer.drain()
+        writer.transport.pause_reading()
+        try:
+            stats = await wait_server_streams(server.url, 1, timeout=10)
+            stats = await wait_server_streams(server.url, 0, timeout=20)
+            assert stats["server"]["errors"].get("slow_client", 0) >= 1, stats
+            await wait_engine_idle(engine, pages)
+            # The server's side of the socket goes too, though the client never read.
+            deadline = time.monotonic() + 20
+            while server.server.server_state.connections:
+                assert time.monotonic() < deadline, server.server.server_state.connections
+                await asyncio.sleep(0.1)
+        finally:
+            writer.close()
 
 
 # ---- idle streams

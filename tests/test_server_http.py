@@ -304,7 +304,7 @@ async def test_mounted_in_fastapi_with_lazy_engine(tiny_checkpoint):
     finally:
         server.call(runtime.close())
         server.stop()
-    assert not runtime.engine._running
+    assert runtime.engine.health().reason == "the engine is closed"
 
 
 async def test_draining_refuses_new_work(server):

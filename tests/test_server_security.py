@@ -24,7 +24,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from intone.provider.client import IntoneClient, IntoneError
+from intone.provider.server import ServerSettings
 from intone.provider.server.access import Access, websocket_key
+from intone.provider.server.limits import LimitError, Limits
 from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
 from intone.provider.server.protocol import SUBPROTOCOL, CloseCode
 
@@ -65,7 +67,7 @@ async def test_http_needs_a_key_but_healthz_does_not(keyed):
         assert response.status_code == 200 and response.content
         health = await http.get(f"{server.url}/healthz")
         assert health.status_code == 200 and "source" not in health.json()
-        for path in ("/stats", "/metrics"):
+        for path in ("/stats", "/metrics", "/v1/models"):
             assert (await http.get(f"{server.url}{path}")).status_code == 401
             ok = await http.get(
                 f"{server.url}{path}", headers={"authorization": f"Bearer {KEYS[0]}"}
@@ -315,3 +317,27 @@ def test_client_error_log_is_rate_limited():
     allowed = [budget.allow() for _ in range(100)]
     assert allowed[:3] == [0, 0, 0] and all(a is None for a in allowed[3:])
     assert budget.suppressed == 97
+
+
+def test_limits_bucket_streams_and_pruning(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("intone.provider.server.limits.time.monotonic", lambda: now[0])
+    limits = Limits(ServerSettings(max_chars_per_minute=600, max_streams_per_client=1))
+    limits.take_chars("k", 600)  # the whole minute at once
+    with pytest.raises(LimitError) as info:
+        limits.take_chars("k", 100)
+    assert info.value.retry_after == pytest.approx(10.0)  # 10 characters a second
+    now[0] += 10
+    limits.take_chars("k", 100)
+    with pytest.raises(LimitError) as info:
+        limits.take_chars("other", 601)  # no wait would make it fit
+    assert info.value.retry_after is None
+    limits.open_stream("k")
+    with pytest.raises(LimitError):
+        limits.open_stream("k")
+    limits.open_stream("other")  # callers are counted apart
+    limits.close_stream("k")
+    limits.close_stream("other")
+    now[0] += 60  # buckets full again, nothing open: forgotten
+    limits.prune()
+    assert limits.tenants() == 0

@@ -88,8 +88,22 @@ async def test_sigterm_drains_streams_then_exits_zero(serve_process):
                     if line.startswith("data: "):
                         sse_lines.append(line)
 
+        raw_bytes: list[int] = []
+
+        async def read_raw() -> str:
+            """A raw-audio response cut by the drain ends without its final chunk."""
+            raw_request = {**sse_request, "stream_format": "audio", "response_format": "pcm"}
+            try:
+                async with http.stream("POST", f"{url}/v1/audio/speech", json=raw_request) as r:
+                    async for chunk in r.aiter_bytes():
+                        raw_bytes.append(len(chunk))
+            except httpx.RemoteProtocolError:
+                return "cut"
+            return "complete"
+
         sse_task = asyncio.create_task(read_sse())
-        while not sse_lines:  # audio flows on every stream before the signal
+        raw_task = asyncio.create_task(read_raw())
+        while not sse_lines or not raw_bytes:  # audio flows on every stream before the signal
             await asyncio.sleep(0.01)
         audio_seen = set()
         while len(audio_seen) < 2:
@@ -123,6 +137,7 @@ async def test_sigterm_drains_streams_then_exits_zero(serve_process):
             pass
         assert ws.close_code == 1001, (ws.close_code, ws.close_reason)
         await asyncio.wait_for(sse_task, 10)
+        assert await asyncio.wait_for(raw_task, 10) == "cut"
 
     assert finals["finishing"]["type"] == "done"
     assert finals["open"] == {"type": "cancelled", "stream": "open", "reason": "shutdown"}

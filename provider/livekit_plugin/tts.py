@@ -9,15 +9,20 @@ would load its own engine; run `intone serve` once and use `TTS(base_url=...)` i
 `stream()` sends all of a turn's text into one engine stream as one segment, token by token; the
 engine cuts it into clauses (short first clause for a quick start) and chains them, so there is
 no sentence tokenizer in front of it.
+
+Languages: `TTS(language="fr")` speaks with that language's model (`french_24l`; one model per
+language, `intone models`), `TTS(model=...)` with any model; `update_options(language=...)` or
+`(model=...)` moves later turns to that model's engine (in-process, its shared engine is loaded on
+first use; remote, the server's model of that name). A language without a model is refused with
+an error naming the languages there are, never spoken in English.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +34,7 @@ from livekit.agents import (
     APIError,
     APIStatusError,
     APITimeoutError,
+    LanguageCode,
     tts,
     utils,
 )
@@ -41,12 +47,14 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     Engine,
+    EngineClosedError,
     EngineConfig,
     LoadedModel,
     ModelUnavailableError,
 )
 from intone.engine.audio import to_pcm16
-from intone.provider import backends
+from intone.engine.options import option_names
+from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind
 from intone.provider.server.pcm import StreamResampler
 
@@ -65,6 +73,7 @@ class _TTSOptions:
     """What a stream snapshots when it is created; `update_options` changes later streams."""
 
     voice: str | None
+    model: str | Path | LoadedModel | None  # None: the default model
     temperature: float | None
     eos_threshold: float | None
     frames_after_eos: int | None
@@ -77,7 +86,10 @@ class _TTSOptions:
 
     def generation(self) -> dict[str, Any]:
         """The generation settings given, for the engine or the server."""
-        return {k: v for k, v in asdict(self).items() if k != "voice" and v is not None}
+        # Not asdict(): it would deep-copy a LoadedModel.
+        names = option_names()
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if k in names and v is not None}
 
 
 class TTS(tts.TTS):
@@ -85,6 +97,7 @@ class TTS(tts.TTS):
         self,
         *,
         model: TTSModels | str | Path | LoadedModel | None = None,
+        language: str | None = None,
         voice: TTSVoices | str | None = None,
         base_url: str | None = None,
         engine: Engine | None = None,
@@ -103,9 +116,12 @@ class TTS(tts.TTS):
         """Create intone TTS.
 
         Args:
-            model: checkpoint directory, config .yaml, hf:// path or "kyutai/pocket-tts" (the
-                default); a `LoadedModel` also works. Instances with the same model share one
-                engine per process.
+            model: a released model's name (`intone models`: "english", "french_24l",
+                "english_2m_2026-10", ...), checkpoint directory, config .yaml, hf:// path or
+                "kyutai/pocket-tts" (the default); a `LoadedModel` also works. Instances with the
+                same model share one engine per process. Remote: one of the server's models.
+            language: speak with this language's model ("fr", "fr-FR", "french"; a
+                `LanguageCode`) when `model` is not given.
             voice: a voice of the checkpoint (e.g. "alba" for the released model), a voice WAV or
                 a voice-state .safetensors; None means the model's default voice.
             base_url: an `intone serve` address (``ws://host:port``); speech is then made by that
@@ -136,14 +152,14 @@ class TTS(tts.TTS):
             sample_rate=sample_rate,
             num_channels=NUM_CHANNELS,
         )
-        if base_url is not None and engine is not None:
-            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
-        self._model = model
+        if engine is not None and (model is not None or language is not None):
+            raise ValueError("an engine of yours speaks its own model: no model= or language=")
         self._base_url = base_url
         self._own_engine = engine
-        self._engine_config = engine_config
+        self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
         self._opts = _TTSOptions(
             voice=voice,
+            model=registry.pick_model(model, _language(language)),
             temperature=temperature,
             eos_threshold=eos_threshold,
             frames_after_eos=frames_after_eos,
@@ -159,23 +175,22 @@ class TTS(tts.TTS):
         self._streams: weakref.WeakKeyDictionary[
             tts.ChunkedStream | tts.SynthesizeStream, asyncio.AbstractEventLoop
         ] = weakref.WeakKeyDictionary()
-        # A plain lock, not an asyncio one: an instance may be used from several event loops
-        # (thread executor), and acquisition runs on worker threads.
-        self._backend_lock = threading.Lock()
-        self._backend: backends.SpeechBackend | None = None
         self._closed = False
         self._prewarm_task: asyncio.Task[None] | None = None
 
     @property
     def model(self) -> str:
-        if isinstance(self._backend, backends.RemoteBackend):
-            # The server's model, from its hello; until the first connection, what was asked.
-            return self._backend.server_model or str(self._model or "unknown")
-        if isinstance(self._model, LoadedModel):
-            return self._model.source
+        """The model new streams speak with."""
+        model = self._opts.model
+        remote = self._backends.remote
+        if remote is not None and model is None:
+            # The server's default model, from its hello; until the first connection, unknown.
+            return remote.server_model or "unknown"
+        if isinstance(model, LoadedModel):
+            return model.source
         if self._own_engine is not None:
             return self._own_engine.loaded.source
-        return str(self._model) if self._model is not None else "kyutai/pocket-tts"
+        return str(model) if model is not None else "kyutai/pocket-tts"
 
     @property
     def provider(self) -> str:
@@ -183,14 +198,16 @@ class TTS(tts.TTS):
 
     @property
     def engine(self) -> Engine | None:
-        """The in-process engine in use (None before first use, or in remote mode)."""
-        backend = self._backend
+        """The in-process engine of the current model (None before its first use, or remote)."""
+        backend = self._backends.current(self._opts.model)
         return backend.shared_engine if backend is not None else None
 
     def update_options(
         self,
         *,
         voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
+        language: NotGivenOr[str | None] = NOT_GIVEN,
+        model: NotGivenOr[TTSModels | str | Path | LoadedModel | None] = NOT_GIVEN,
         temperature: NotGivenOr[float | None] = NOT_GIVEN,
         eos_threshold: NotGivenOr[float | None] = NOT_GIVEN,
         frames_after_eos: NotGivenOr[int | None] = NOT_GIVEN,
@@ -201,7 +218,18 @@ class TTS(tts.TTS):
         speed: NotGivenOr[float | None] = NOT_GIVEN,
         normalize: NotGivenOr[bool | None] = NOT_GIVEN,
     ) -> None:
-        """Change the options of streams created from now on (streams in flight keep theirs)."""
+        """Change the options of streams created from now on (streams in flight keep theirs).
+
+        `language` or `model` moves later turns to that model's engine; an unknown language
+        raises UnknownModelError naming the known ones.
+        """
+        if (is_given(language) or is_given(model)) and self._own_engine is not None:
+            raise ValueError("an engine of yours speaks its own model: no model= or language=")
+        if is_given(model) and model is not None:
+            self._opts = replace(self._opts, model=model)
+        elif is_given(language) or is_given(model):
+            lang = language if is_given(language) else None
+            self._opts = replace(self._opts, model=registry.pick_model(None, _language(lang)))
         given = {
             "voice": voice,
             "temperature": temperature,
@@ -240,8 +268,7 @@ class TTS(tts.TTS):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            if self._backend is None:
-                self._set_backend(self._make_backend_sync())
+            self._backends.get_sync(self._opts.model)
             return
         # Don't replace a prewarm still in flight: aclose() cancels only the latest one.
         if self._prewarm_task is None or self._prewarm_task.done():
@@ -249,15 +276,15 @@ class TTS(tts.TTS):
 
     async def _prewarm(self) -> None:
         try:
-            backend = await self._get_backend()
+            backend = await self._get_backend(self._opts.model)
             if isinstance(backend, backends.RemoteBackend):
                 await backend.connect()  # this event loop's connection, ready for the first turn
         except Exception as e:  # the first stream reports it as an APIError
             logger.warning("intone prewarm failed: %s", e)
 
     async def aclose(self) -> None:
-        """Close the streams in flight and release this instance's hold on the shared engine;
-        other instances keep using it."""
+        """Close the streams in flight and release this instance's hold on the shared engines;
+        other instances keep using them."""
         self._closed = True
         if self._prewarm_task is not None:
             await aio.cancel_and_wait(self._prewarm_task)
@@ -272,51 +299,22 @@ class TTS(tts.TTS):
                 )
         self._streams.clear()
         await asyncio.gather(*closing, return_exceptions=True)
-        with self._backend_lock:
-            backend, self._backend = self._backend, None
-        if backend is not None:
-            await backend.aclose()
+        await self._backends.aclose()
 
     # ---- backend
 
-    def _make_backend_sync(self) -> backends.SpeechBackend:
-        backend = backends.make_backend(
-            model=self._model,
-            base_url=self._base_url,
-            engine=self._own_engine,
-            engine_config=self._engine_config,
-        )
-        assert backend is not None
-        return backend
-
-    def _set_backend(self, backend: backends.SpeechBackend) -> backends.SpeechBackend:
-        """Keep the first backend made; a concurrent second one is given back."""
-        with self._backend_lock:
-            if self._backend is None and not self._closed:
-                self._backend = backend
-                return backend
-            current = self._backend
-        # Another stream won the race (or aclose() ran): drop ours without blocking the loop.
-        threading.Thread(target=_close_backend, args=(backend,), daemon=True).start()
-        if current is None:
-            raise APIConnectionError("intone TTS is closed", retryable=False)
-        return current
-
-    async def _get_backend(self) -> backends.SpeechBackend:
+    async def _get_backend(self, model: str | Path | LoadedModel | None) -> backends.SpeechBackend:
         if self._closed:
             raise APIConnectionError("intone TTS is closed", retryable=False)
-        backend = self._backend
-        if backend is not None:
-            return backend
         try:
-            made = await asyncio.to_thread(self._make_backend_sync)
+            return await self._backends.get(model)
         except Exception as e:
             raise _api_error(e) from e
-        return self._set_backend(made)
 
 
-def _close_backend(backend: backends.SpeechBackend) -> None:
-    asyncio.run(backend.aclose())
+def _language(language: str | None) -> str | None:
+    """A LiveKit language (any BCP-47 form or name) as its base code, e.g. "fr"."""
+    return None if language is None else LanguageCode(language).language
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -336,8 +334,7 @@ class ChunkedStream(tts.ChunkedStream):
         )
         if not self.input_text.strip():
             return
-        backend = await self._tts._get_backend()
-        speech = await _open_speech(backend, self._opts, self._tts.sample_rate)
+        speech = await _open_speech(self._tts, self._opts)
         _note_request_id(speech.request_id)
         finished = False
         try:
@@ -388,8 +385,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         first = await self._next_text()
         if first is None:
             return
-        backend = await self._tts._get_backend()
-        speech = await _open_speech(backend, self._opts, self._tts.sample_rate)
+        speech = await _open_speech(self._tts, self._opts)
         finished = False
         progress = _Progress()
         feed_task: asyncio.Task[None] | None = None
@@ -475,11 +471,14 @@ class _Progress:
         return speech.submitted_clauses > self.clauses_done
 
 
-async def _open_speech(
-    backend: backends.SpeechBackend, opts: _TTSOptions, sample_rate: int
-) -> backends.SpeechStream:
+async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
+    """A stream of the model `opts` names, on that model's backend."""
+    if tts._closed:
+        raise APIConnectionError("intone TTS is closed", retryable=False)
     try:
-        return await backend.open_stream(opts.voice, opts.generation(), sample_rate)
+        return await tts._backends.open_stream(
+            opts.model, opts.voice, opts.generation(), tts.sample_rate
+        )
     except APIError:
         raise
     except Exception as e:
@@ -588,6 +587,8 @@ def _api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, ModelUnavailableError):
         return APIConnectionError(f"intone model unavailable: {e}", retryable=False)
+    if isinstance(e, EngineClosedError):
+        return APIConnectionError(f"intone engine closed: {e}", retryable=False)
     kind = error_kind(e)
     if kind is Kind.BUSY:
         # Full for now: another attempt (or another worker) may have room.

@@ -199,8 +199,9 @@ def _key_refused(runtime: Runtime, request: Request) -> Response | None:
 
 
 async def healthz(runtime: Runtime, request: Request) -> Response:
-    """Liveness and what is loaded: 200 when serving, 503 while draining or if unavailable.
-    Open without a key; it names the model but never a path on the host."""
+    """Liveness and what is loaded: 200 when serving; 503 while draining, if unavailable, or if
+    an engine failed (`Engine.health()`: the reason is in "error"), so an orchestrator restarts
+    the process. Open without a key; it names the model but never a path on the host."""
     try:
         engine = await runtime.ready()
     except EngineUnavailableError:
@@ -211,8 +212,9 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
     assert runtime.voices is not None
     loaded = engine.loaded
     engine_metrics = engine.metrics()
+    failures = [h.reason for h in (e.health() for e in runtime.engines) if not h.ok]
     body = {
-        "status": "draining" if runtime.draining else "ok",
+        "status": "draining" if runtime.draining else "unhealthy" if failures else "ok",
         "model": model_name(loaded.source),
         "version": runtime.version,
         "weights": loaded.weights,
@@ -226,7 +228,9 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
         "connections": len(runtime.connections),
         "streams": len(runtime.streams),
     }
-    return JSONResponse(body, status_code=503 if runtime.draining else 200)
+    if failures:
+        body["error"] = "; ".join(str(reason) for reason in failures)
+    return JSONResponse(body, status_code=503 if runtime.draining or failures else 200)
 
 
 async def stats(runtime: Runtime, request: Request) -> Response:

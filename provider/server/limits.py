@@ -16,7 +16,7 @@ from intone.provider.server.settings import ServerSettings
 
 
 class LimitError(Exception):
-    def __init__(self, code: ErrorCode, message: str, retry_after: float):
+    def __init__(self, code: ErrorCode, message: str, retry_after: float | None):
         super().__init__(message)
         self.code = code
         self.message = message
@@ -27,7 +27,7 @@ class LimitError(Exception):
 class _Caller:
     streams: int = 0
     chars: float = 0.0  # left in the bucket
-    refilled_at: float = field(default_factory=time.monotonic)
+    refilled_at: float = field(default_factory=lambda: time.monotonic())
 
 
 class Limits:
@@ -81,11 +81,18 @@ class Limits:
         per_minute = self.settings.max_chars_per_minute
         if not per_minute:
             return
+        if count > per_minute:  # no wait would make it fit
+            raise LimitError(
+                ErrorCode.RATE_LIMITED,
+                f"{count} characters at once are over the limit of {per_minute} per minute: "
+                "send the text in smaller pieces",
+                retry_after=None,
+            )
         caller = self._caller(tenant)
         self._refill(caller, per_minute)
         if count > caller.chars:
             rate = per_minute / 60.0
-            wait = (min(count, per_minute) - caller.chars) / rate
+            wait = (count - caller.chars) / rate
             raise LimitError(
                 ErrorCode.RATE_LIMITED,
                 f"over {per_minute} characters per minute for this client: this text was "
@@ -115,6 +122,6 @@ class Limits:
         for tenant, caller in list(self._callers.items()):
             self._forget_if_idle(tenant, caller)
 
-    def streams_of(self, tenant: str) -> int:
-        caller = self._callers.get(tenant)
-        return caller.streams if caller else 0
+    def tenants(self) -> int:
+        """Callers with state held (something open, or characters spent recently)."""
+        return len(self._callers)

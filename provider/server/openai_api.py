@@ -141,6 +141,8 @@ class HttpStream:
         if self.released:
             return
         self.released = True
+        if outcome == "disconnected" and self.cut is not None:
+            outcome = self.cut  # the server ended it (e.g. a slow client), not the client
         if outcome != "done":
             self.engine_stream.cancel()  # the client left (or it failed): free engine state
         self.runtime.remove_stream(self)
@@ -184,7 +186,12 @@ async def speech(request: Request, runtime: Runtime) -> Response:
 
 async def models(request: Request, runtime: Runtime) -> Response:
     """`GET /v1/models`, as OpenAI lists models, with intone's details on each: its aliases
-    (what `model` may also say), language, voices and default voice. The first is the default."""
+    (what `model` may also say), language, voices and default voice. The first is the default.
+    Needs a key when the server has keys, as the speech endpoint does."""
+    try:
+        _key_label(request, runtime)
+    except ApiError as e:
+        return e.response("req_" + uuid.uuid4().hex[:24])
     try:
         await runtime.ready()
     except EngineUnavailableError as e:
@@ -200,12 +207,7 @@ async def models(request: Request, runtime: Runtime) -> Response:
 
 
 async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any) -> Response:
-    access = runtime.access
-    label = access.key_label(bearer(request.headers))
-    if access.keys_required and label is None:
-        raise ApiError(
-            401, ErrorCode.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer KEY"
-        )
+    label = _key_label(request, runtime)
     tenant = label or (request.client.host if request.client else "?")
     try:
         engine = await runtime.ready()
@@ -219,22 +221,33 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
             415, ErrorCode.BAD_MESSAGE, "the body must be JSON (content-type: application/json)"
         )
     body = await _read_json(request, runtime.settings)
-    request_ = _parse(body, engine.config.max_text_chars)
+    request_ = _parse(body)
     try:
         served = runtime.select(request_.model)
     except UnknownModelError as e:
         raise ApiError(400, ErrorCode.UNKNOWN_MODEL, str(e), "model") from None
     engine = served.engine
     assert engine is not None and served.voices is not None
+    if len(request_.text) > engine.config.max_text_chars:
+        raise ApiError(
+            400,
+            ErrorCode.TEXT_TOO_LONG,
+            f"'input' is over the limit of {engine.config.max_text_chars} characters",
+            "input",
+        )
     try:
         voice = await served.voices.resolve(request_.voice)
     except EngineError as e:
         raise ApiError(400, protocol.engine_error_code(e), str(e), "voice") from None
 
     try:
-        runtime.limits.take_chars(tenant, len(request_.text))
         runtime.limits.open_stream(tenant)
     except LimitError as e:
+        raise ApiError(429, e.code, e.message, None, e.retry_after) from None
+    try:
+        runtime.limits.take_chars(tenant, len(request_.text))
+    except LimitError as e:
+        runtime.limits.close_stream(tenant)
         raise ApiError(429, e.code, e.message, "input", e.retry_after) from None
     tokens = engine.loaded.tokenizer.count(request_.text)
     headers = {
@@ -286,6 +299,17 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
     )
 
 
+def _key_label(request: Request, runtime: Runtime) -> str | None:
+    """The label of the request's key; ApiError 401 if the server needs one and it has none."""
+    access = runtime.access
+    label = access.key_label(bearer(request.headers))
+    if access.keys_required and label is None:
+        raise ApiError(
+            401, ErrorCode.UNAUTHORIZED, "a valid API key is required: Authorization: Bearer KEY"
+        )
+    return label
+
+
 class _Request:
     def __init__(self, text: str, model: str | None, voice: str | None, fmt: str,
                  stream_format: str, sample_rate: int, options: dict[str, Any]):  # fmt: skip
@@ -294,7 +318,7 @@ class _Request:
         self.options = options  # GenerationOptions fields the request set: speed, normalize
 
 
-def _parse(body: dict[str, Any], max_chars: int) -> _Request:
+def _parse(body: dict[str, Any]) -> _Request:
     """Every field checked before anything is created."""
 
     def string(name: str, code: ErrorCode, max_len: int, unicode_code: ErrorCode | None = None):
@@ -313,13 +337,6 @@ def _parse(body: dict[str, Any], max_chars: int) -> _Request:
         raise ApiError(400, ErrorCode.BAD_MESSAGE, "'input' must be a string", "input")
     if not text.strip():
         raise ApiError(400, ErrorCode.EMPTY_TEXT, "'input' is empty", "input")
-    if len(text) > max_chars:
-        raise ApiError(
-            400,
-            ErrorCode.TEXT_TOO_LONG,
-            f"'input' is over the limit of {max_chars} characters",
-            "input",
-        )
     model = string("model", ErrorCode.BAD_MESSAGE, MAX_MODEL_CHARS)
     if model is not None and not model.isprintable():
         raise ApiError(400, ErrorCode.BAD_MESSAGE, "'model' holds control characters", "model")
@@ -464,6 +481,7 @@ class _GuardedStreamingResponse(StreamingResponse):
             try:
                 await asyncio.wait_for(send(message), timeout)
             except TimeoutError:
+                self.handle.cut = self.handle.cut or "slow_client"
                 runtime.metrics.error(str(ErrorCode.SLOW_CLIENT))
                 logger.warning("dropping a slow HTTP client: no audio taken for %g s", timeout)
                 raise _Truncated("slow client") from None

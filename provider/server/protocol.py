@@ -436,11 +436,19 @@ def _default(f: Any) -> Any:
 
 @dataclass
 class Limits:
+    """What the server allows a connection; None: not announced (an older server) or off."""
+
     max_message_bytes: int
-    max_streams: int
-    max_text_chars: int
+    max_streams: int  # per connection
+    max_text_chars: int  # per stream
     sample_rate_min: int = MIN_SAMPLE_RATE
     sample_rate_max: int = MAX_SAMPLE_RATE
+    max_streams_per_client: int | None = None  # per API key, or client address
+    max_chars_per_minute: int | None = None  # per API key, or client address
+    max_buffered_audio: float | None = None  # seconds held for a client per stream
+    slow_client_timeout: float | None = None  # seconds a client may take no audio
+    idle_timeout: float | None = None  # seconds without a message, no stream open
+    max_stream_seconds: float | None = None  # a stream's lifetime
 
 
 @dataclass

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import signal
@@ -229,6 +228,7 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
             self._last_health_check = time.monotonic()
             self._stopping = False
             self._watcher: asyncio.Task | None = None
+            self._closing: asyncio.Task | None = None  # the drain of an unhealthy replica
             self._gauges: dict[str, Any] = {}
 
         @property
@@ -247,11 +247,11 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
                 # Health checks came back after a silence taken for a stop (a busy controller):
                 # this replica has drained and refuses streams, so have Ray replace it.
                 raise RuntimeError("drained after health checks stopped; replace this replica")
-            reason = await _unhealthy(runtime)
+            reason = await unhealthy_reason(runtime)
             if reason is not None:
-                if not runtime.draining:
+                if self._closing is None and not runtime.draining:
                     logger.error("replica unhealthy: %s; closing its connections", reason)
-                    asyncio.get_running_loop().create_task(runtime.drain(0.0))
+                    self._closing = asyncio.get_running_loop().create_task(runtime.drain(0.0))
                 raise RuntimeError(f"intone engine unhealthy: {reason}")
 
         async def _watch(self) -> None:
@@ -260,8 +260,10 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
             silence = stop_silence(ray_options)
             while not self.runtime.closed:
                 await asyncio.sleep(min(ray_options.metrics_interval, 1.0))
-                with contextlib.suppress(Exception):
+                try:
                     self._export_metrics()
+                except Exception:  # metrics must never take the replica down
+                    logger.debug("exporting metrics to Ray failed", exc_info=True)
                 quiet = time.monotonic() - self._last_health_check
                 if quiet > silence and not self._stopping:
                     self._stopping = True
@@ -311,7 +313,7 @@ def stop_silence(options: RayOptions) -> float:
     return max(5 * options.health_check_period_s, 10.0)
 
 
-async def _unhealthy(runtime: Any) -> str | None:
+async def unhealthy_reason(runtime: Any) -> str | None:
     """Why the replica cannot serve, or None."""
     from intone.provider.server.runtime import EngineUnavailableError
 
@@ -322,11 +324,9 @@ async def _unhealthy(runtime: Any) -> str | None:
     except EngineUnavailableError as e:
         return f"the engine could not be started: {e}"
     for engine in runtime.engines:
-        # TODO(faults): Engine.health() arrives with the fault issue; call it directly then.
-        health = getattr(engine, "health", None)
-        status = health() if health is not None else None
-        if status is not None and not status.ok:
-            return status.reason or "the engine is unhealthy"
+        health = engine.health()  # a failed stage, a dead thread, closed
+        if not health.ok:
+            return health.reason or "the engine is unhealthy"
     return None
 
 

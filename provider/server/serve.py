@@ -72,7 +72,7 @@ def prepare_settings(options: ServeOptions) -> ServerSettings:
     settings = options.settings
     if is_loopback(options.host) and not settings.allowed_hosts:
         # DNS rebinding: a page from a public name that resolves to 127.0.0.1 is refused.
-        settings.allowed_hosts = LOOPBACK_HOSTS
+        settings.allowed_hosts = (*LOOPBACK_HOSTS, options.host)
     settings.validate()
     if not settings.api_keys and not is_loopback(options.host):
         logger.warning(
@@ -89,7 +89,8 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
         app,
         host=host,
         port=port,
-        http=header_timeout_protocol(settings.header_timeout),
+        http=header_timeout_protocol(settings.header_timeout, _close_grace(settings)),
+        ws=closing_websocket_protocol(_close_grace(settings)),
         log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
         lifespan="on",
         # Bigger than our own message limit, so an oversized message gets an error event
@@ -100,8 +101,32 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
     )
 
 
-def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol, closing connections whose headers take over `timeout` s."""
+def _close_grace(settings: ServerSettings) -> float:
+    """How long a closing connection may take to send what is queued for it."""
+    return min(10.0, settings.slow_client_timeout)
+
+
+class _ClosingTransport:
+    """A transport whose close() gives up on unsent data after `grace` seconds. asyncio's own
+    close() waits for the write buffer to drain, which a client that does not read never lets
+    happen: a cut response to such a client would hold its socket forever."""
+
+    def __init__(self, transport: asyncio.Transport, grace: float):
+        self._transport = transport
+        self._grace = grace
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(self._grace, self._transport.abort)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def header_timeout_protocol(timeout: float, close_grace: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing connections whose headers take over `timeout` s, and
+    whose close gives up on a client that does not read after `close_grace` s."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # no httptools: uvicorn's pure-Python h11 protocol
@@ -109,7 +134,7 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
 
     class HeaderTimeoutProtocol(Base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
+            super().connection_made(_ClosingTransport(transport, close_grace))
             self._arm_header_timer()
 
         def on_response_complete(self) -> None:
@@ -128,6 +153,32 @@ def header_timeout_protocol(timeout: float) -> type[asyncio.Protocol]:
                 transport.close()
 
     return HeaderTimeoutProtocol
+
+
+def closing_websocket_protocol(grace: float) -> type[asyncio.Protocol] | str:
+    """uvicorn's WebSocket protocol, but a close requested while the client is not reading
+    (the socket's buffers full) aborts the connection after `grace` seconds: uvicorn would
+    otherwise wait for the client to read before it even writes the close frame, and a client
+    that never reads would hold the connection open."""
+    try:
+        from uvicorn.protocols.websockets.websockets_sansio_impl import (
+            WebSocketsSansIOProtocol as Base,
+        )
+    except ImportError:  # another implementation: uvicorn's choice, its own close handling
+        return "auto"
+
+    class ClosingWebSocketProtocol(Base):  # type: ignore[misc, valid-type]
+        async def send(self, message: Any) -> None:
+            if message["type"] == "websocket.close" and not self.writable.is_set():
+                self.loop.call_later(grace, self._abort_if_connected)
+            await super().send(message)
+
+        def _abort_if_connected(self) -> None:
+            if not self.disconnected:
+                logger.info("aborting a WebSocket whose client does not read its close frame")
+                self.transport.abort()
+
+    return ClosingWebSocketProtocol
 
 
 async def _run(server: DrainingServer) -> None:
@@ -167,6 +218,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_queued=args.max_queued,
             kv_memory_mb=args.kv_memory_mb,
             max_text_chars=args.max_text_chars,
+            idle_timeout_s=args.stream_idle_timeout or None,
         ),
         settings=ServerSettings(
             api_keys=tuple(keys),

@@ -58,6 +58,7 @@ class WsStream:
         sample_rate: int,
         fmt: str,
         model_rate: int,
+        max_text_chars: int,
     ):
         self.connection = connection
         self.id = stream_id
@@ -67,6 +68,7 @@ class WsStream:
         self.sample_rate = sample_rate
         self.format = fmt
         self.model_rate = model_rate
+        self.max_text_chars = max_text_chars
         self.request_id = uuid.uuid4().hex[:16]
         self.encoder = PcmEncoder(model_rate, sample_rate, fmt)
         self.bytes_per_second = sample_rate * protocol.SAMPLE_FORMATS[fmt]
@@ -120,6 +122,7 @@ class Connection:
         self._closed = asyncio.Event()
         self._closing = False  # a timeout is closing it: no more watching
         self._writer: asyncio.Task | None = None
+        self._close_task: asyncio.Future | None = None  # held: a task nobody holds may vanish
         self._sending_since: float | None = None  # when the send in progress began
         self.last_message_at = time.perf_counter()
         offered = websocket.headers.get("sec-websocket-protocol", "")
@@ -187,8 +190,9 @@ class Connection:
             for stream in list(self.streams.values()):
                 self._abandon(stream, "client disconnected")
             self._outbox.put_nowait(None)
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(self._writer, 1.0)
+            # wait(), not wait_for(): the writer may have been cancelled (a slow client), and
+            # its CancelledError must not cut this cleanup short.
+            await asyncio.wait({self._writer}, timeout=1.0)
             self._writer.cancel()
             if tasks:
                 await asyncio.wait(tasks, timeout=1.0)
@@ -241,7 +245,9 @@ class Connection:
             self._abandon(stream, "slow client")
         if self._writer is not None:
             self._writer.cancel()
-        asyncio.ensure_future(self._close_now(CloseCode.SLOW_CLIENT, "slow_client"))
+        self._close_task = asyncio.ensure_future(
+            self._close_now(CloseCode.SLOW_CLIENT, "slow_client")
+        )
 
     async def _close_now(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -264,6 +270,12 @@ class Connection:
                 max_message_bytes=self.settings.max_message_bytes,
                 max_streams=self.settings.max_streams_per_connection,
                 max_text_chars=engine.config.max_text_chars,
+                max_streams_per_client=self.settings.max_streams_per_client or None,
+                max_chars_per_minute=self.settings.max_chars_per_minute or None,
+                max_buffered_audio=self.settings.max_buffered_audio,
+                slow_client_timeout=self.settings.slow_client_timeout,
+                idle_timeout=self.settings.ws_idle_timeout,
+                max_stream_seconds=self.settings.max_stream_seconds,
             ),
         )
 
@@ -320,6 +332,8 @@ class Connection:
                 self._end(stream, "end")
             elif isinstance(message, protocol.Playback):
                 stream.played_seconds = max(stream.played_seconds or 0.0, message.seconds)
+                # The engine paces the stream's generation by the same position.
+                stream.engine_stream.report_playback(stream.played_seconds)
                 stream.room.set()
 
     def _active(self, message: protocol.Message) -> WsStream:
@@ -406,6 +420,7 @@ class Connection:
             message.sample_rate or engine.sample_rate,
             message.format,
             engine.sample_rate,
+            engine.config.max_text_chars,
         )
         self.streams[sid] = stream
         self.runtime.add_stream(stream)
@@ -452,8 +467,7 @@ class Connection:
             raise refuse(ErrorCode.STREAM_CLOSED, "input already ended: no more text")
         if text == "":
             raise refuse(ErrorCode.EMPTY_TEXT, "empty text")
-        assert self.engine is not None
-        limit = self.engine.config.max_text_chars
+        limit = stream.max_text_chars
         if stream.chars + len(text) > limit:
             raise refuse(
                 ErrorCode.TEXT_TOO_LONG,

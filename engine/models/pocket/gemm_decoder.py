@@ -153,6 +153,10 @@ class _ResBlock:
         return x + y
 
 
+# The state entry holding a batch's pool rows, where the ring entries stay in the caller's pool.
+ROWS = "transformer.rows"
+
+
 class RingKV:
     """The decoder transformer's sliding-window cache as a ring (implements `KVCache`).
 
@@ -160,6 +164,13 @@ class RingKV:
     and call. Here each row's keys live in a ring of `size` >= context + new - 1 slots that the
     new keys are written into at position % size: nothing a query may still see is overwritten,
     and attention reads the ring in place, masked by the stored positions.
+
+    With `state[ROWS]`, the ring entries of `state` are a whole pool of rows and ROWS says which
+    rows this batch is: the new keys go straight into the pool and attention gathers the rows'
+    rings once, instead of the caller gathering them before and scattering them back after.
+    A call that fails after writing leaves keys at positions its row has not reached (its offset
+    did not advance): a query never sees a later position, and the row's next call overwrites
+    each such slot before it attends to it, so a failed call leaves no trace.
     """
 
     def __init__(self, state: State, prefix: str, context: int, positions: torch.Tensor):
@@ -169,7 +180,15 @@ class RingKV:
         self.positions = positions  # [B, T]
         size = state[f"{prefix}.0.key_positions"].shape[1]
         self.slots = positions % size
-        self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.index = state.get(ROWS)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        self.rows = (rows if self.index is None else self.index)[:, None]
+        # Pool rows in one ascending run (the engine sorts a batch by slot) are a view: no gather.
+        self.run: slice | None = None
+        if self.index is not None:
+            first, last = int(self.index[0]), int(self.index[-1])
+            if last - first + 1 == len(self.index) and bool((self.index.diff() == 1).all()):
+                self.run = slice(first, last + 1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys = self.state[f"{self.prefix}.{layer}.keys"]
@@ -178,10 +197,19 @@ class RingKV:
         keys[self.rows, self.slots] = k
         values[self.rows, self.slots] = v
         key_pos[self.rows, self.slots] = self.positions
+        if self.run is not None:
+            keys, values, key_pos = keys[self.run], values[self.run], key_pos[self.run]
+        elif self.index is not None:
+            keys, values = keys[self.index], values[self.index]
+            key_pos = key_pos[self.index]
         delta = self.positions[:, :, None] - key_pos[:, None, :]
         mask = (key_pos[:, None, :] >= 0) & (delta >= 0) & (delta < self.context)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None]
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            enable_gqa=True,
         )
         return out.transpose(1, 2)
 
@@ -241,6 +269,11 @@ class GemmDecoder:
             raise ValueError("GemmDecoder needs a 1x1 quantizer output projection")
         self.samples_per_frame = mimi.samples_per_frame
         self.max_frames = max_frames
+        layers = range(len(mimi.decoder_transformer.transformer.layers))
+        fields = ("keys", "values", "key_positions")
+        # The rings are most of a row's state (2.6 MB per row, full size): a state pool leaves
+        # them in place and passes the batch's rows as state[ROWS] (see RingKV).
+        self.in_place_state = frozenset(f"transformer.{i}.{f}" for i in layers for f in fields)
         self.ring = mimi.decoder_transformer.context + max_frames * mimi.steps_per_frame - 1
         self.output_proj = mimi.quantizer.output_proj.weight.detach()[:, :, 0].clone()
         self.upsample = _ConvTranspose(mimi.upsample.convtr, elu=False)
@@ -274,7 +307,7 @@ class GemmDecoder:
         for layer in self.layers:
             state.update(layer.init_state(batch_size, device))
         t = self.transformer.transformer
-        kv_shape = (batch_size, self.ring, t.num_heads, t.head_dim)
+        kv_shape = (batch_size, self.ring, t.num_kv_heads, t.head_dim)
         state["transformer.offset"] = torch.zeros(batch_size, dtype=torch.long, device=device)
         for layer in range(len(t.layers)):
             state[f"transformer.{layer}.keys"] = torch.zeros(kv_shape, device=device)

@@ -219,6 +219,9 @@ class ConvTrUpsample1d(nn.Module):
 
 
 class Mimi(nn.Module):
+    # State entries a state pool may leave in place (see GemmDecoder); none here.
+    in_place_state: frozenset[str] = frozenset()
+
     def __init__(self, cfg: MimiConfig):
         super().__init__()
         self.sample_rate = cfg.sample_rate

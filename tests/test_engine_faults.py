@@ -1,0 +1,477 @@
+"""Faults stay local: an injected exception in any stage ends only the request it is pinned on.
+
+Each stage's fault is injected under 6 concurrent streams. The culprit's stream ends with a typed
+`EngineFailedError` carrying the cause; every other stream completes and equals the single-request
+path (a failed batch is retried row by row on the noise and pages it already consumed, so nobody
+else's audio changes); afterwards pages, decoder rows and active requests are back to the floor.
+An error no request can be blamed for fails the engine: every open stream ends within a second,
+`health()` says why, and new streams are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import test_engine
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engine import (
+    SECOND_VOICE,
+    TEXTS,
+    TIMEOUT,
+    Outcome,
+    Reference,
+    check_outcome,
+    options,
+    run_request,
+    voice_pages,
+    wait_idle,
+)
+
+from intone.engine import (
+    AudioChunk,
+    EngineClosedError,
+    EngineFailedError,
+    EngineFullError,
+    GenerationOptions,
+    InvalidOptionError,
+    Stream,
+)
+from intone.engine.block_manager import BlockManager
+from intone.engine.loading import LoadedModel
+from intone.engine.model_runner import ModelRunner
+from intone.engine.options import option_names
+
+# The equivalence suite's fixtures, shared.
+make_engine = test_engine.make_engine
+reference = test_engine.reference
+voices = test_engine.voices
+second_voice_wav = test_engine.second_voice_wav
+
+STREAMS = 6
+CULPRIT = 2
+FAIL_WITHIN = 1.0  # seconds for every open stream to end after an unrecoverable error
+
+
+class InjectedFault(Exception):
+    pass
+
+
+def involves(requests, culprit) -> bool:
+    return any(r is culprit for r in requests)
+
+
+def inject(engine, stage: str, culprit) -> dict:
+    """Make `stage` raise on every call involving the culprit from its `after`-th call on (so
+    the culprit has produced something first), batched calls and the row-by-row retry alike."""
+    counts = {"calls": 0, "raised": 0}
+    after = {"start_clause": 1, "prefill": 1, "ar_step": 3, "noise": 3, "decode": 2}[stage]
+
+    def trip(involved: bool) -> None:
+        if involved:
+            counts["calls"] += 1
+            if counts["calls"] > after:
+                counts["raised"] += 1
+                raise InjectedFault(stage)
+
+    if stage == "start_clause":
+        start_clause = engine.scheduler.start_clause
+
+        def faulty_start(request):
+            trip(request is culprit)
+            return start_clause(request)
+
+        engine.scheduler.start_clause = faulty_start
+    elif stage == "prefill":
+        prefill = engine.runner.prefill
+
+        def faulty_prefill(requests):
+            trip(involves(requests, culprit))
+            return prefill(requests)
+
+        engine.runner.prefill = faulty_prefill
+    elif stage == "ar_step":
+        generate = engine.runner.generate
+
+        def faulty_generate(requests, noise):
+            trip(involves(requests, culprit))
+            return generate(requests, noise)
+
+        engine.runner.generate = faulty_generate
+    elif stage == "noise":
+        draw_noise = engine.runner.draw_noise
+
+        def faulty_noise(request):
+            trip(request is culprit)
+            return draw_noise(request)
+
+        engine.runner.draw_noise = faulty_noise
+    elif stage == "decode":
+        decode = engine.runner.decode
+
+        def faulty_decode(slots, latents):
+            trip(culprit.decoder_slot is not None and culprit.decoder_slot in slots)
+            return decode(slots, latents)
+
+        engine.runner.decode = faulty_decode
+    return counts
+
+
+async def collect(stream: Stream) -> tuple[Outcome, BaseException | None]:
+    outcome = Outcome()
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            async for event in stream:
+                outcome.events.append(event)
+    except TimeoutError:
+        raise
+    except Exception as e:
+        return outcome, e
+    return outcome, None
+
+
+def jobs() -> list[tuple[str, str, GenerationOptions]]:
+    return [
+        (
+            TEXTS[2] if i == CULPRIT else TEXTS[i % len(TEXTS)],
+            ("default", SECOND_VOICE)[i % 2],
+            options(300 + i, 0.3, max_frames=8),
+        )
+        for i in range(STREAMS)
+    ]
+
+
+def open_streams(engine) -> list[Stream]:
+    return [engine.stream(voice, opts) for _, voice, opts in jobs()]
+
+
+async def push_all(streams: list[Stream]) -> list[tuple[Outcome, BaseException | None]]:
+    for stream, (text, _, _) in zip(streams, jobs(), strict=True):
+        stream.push_text(text)
+        stream.end_input()
+    return await asyncio.gather(*[collect(s) for s in streams])
+
+
+def check_bystanders(results, reference: Reference, skip: int | None) -> None:
+    for i, ((text, voice, opts), (outcome, error)) in enumerate(zip(jobs(), results, strict=True)):
+        if i == skip:
+            continue
+        assert error is None, f"stream {i} ended with {error!r}"
+        check_outcome(outcome, reference, text, voice, opts, f"stream {i}")
+
+
+@pytest.mark.parametrize("stage", ["start_clause", "prefill", "ar_step", "noise", "decode"])
+async def test_a_fault_ends_only_its_request(make_engine, reference: Reference, stage: str) -> None:
+    engine = make_engine()
+    floor = voice_pages(engine)
+    streams = open_streams(engine)
+    counts = inject(engine, stage, streams[CULPRIT].request)
+    results = await push_all(streams)
+
+    assert counts["raised"] >= 1, f"the {stage} fault never fired"
+    outcome, error = results[CULPRIT]
+    assert isinstance(error, EngineFailedError), f"culprit ended with {error!r}"
+    assert isinstance(error.__cause__, InjectedFault), error.__cause__
+    assert error.code == "engine_failed"
+    # What the culprit got before its fault is the start of its own audio.
+    text, voice, opts = jobs()[CULPRIT]
+    want = reference.audio(text, voice, opts)
+    got = outcome.audio
+    assert got.shape[0] < want.shape[0]
+    if got.shape[0]:
+        check_outcome(
+            Outcome(outcome.events, cancelled=True), reference, text, voice, opts, "culprit"
+        )
+    check_bystanders(results, reference, skip=CULPRIT)
+    await wait_idle(engine, floor)
+    assert engine.health().ok, engine.health()
+    m = engine.metrics()
+    assert m["requests_completed"] == STREAMS - 1
+
+
+async def test_a_failed_voice_add_hurts_nobody(
+    make_engine, reference: Reference, second_voice_wav: Path
+) -> None:
+    """A voice registration that fails half way (pages allocated, K/V write fails) while six
+    streams run: the caller gets a typed error, the old voice is intact, nothing leaks."""
+    engine = make_engine()
+    floor = voice_pages(engine)
+    old_table = engine.scheduler.voices[SECOND_VOICE].table
+    old_pages = list(old_table.pages)
+
+    def faulty_write(table, voice):
+        raise InjectedFault("voice add")
+
+    streams = open_streams(engine)
+    running = asyncio.create_task(push_all(streams))
+    await asyncio.sleep(0.05)
+    engine.runner.write_voice = faulty_write
+    with pytest.raises(EngineFailedError) as failure:
+        engine.add_voice(SECOND_VOICE, second_voice_wav)
+    assert isinstance(failure.value.__cause__, InjectedFault)
+    assert engine.scheduler.voices[SECOND_VOICE].table is old_table
+    assert old_table.pages == old_pages
+    results = await running
+    check_bystanders(results, reference, skip=None)
+    await wait_idle(engine, floor)
+    assert engine.health().ok
+
+
+async def test_full_pool_add_voice_keeps_the_old_voice(
+    make_engine, reference: Reference, second_voice_wav: Path
+) -> None:
+    engine = make_engine(second_voice=False)
+    floor = voice_pages(engine)
+    # Shrink what is free to one page: no second voice fits, nor a replacement of the first.
+    spare = engine.blocks.allocate((engine.blocks.pages_available - 1) * engine.blocks.page_size)
+    assert engine.blocks.pages_available == 1
+    before = engine.metrics()["kv_pages_in_use"]
+    old_table = engine.scheduler.voices["default"].table
+    for name in ("default", "another"):
+        with pytest.raises(EngineFullError):
+            engine.add_voice(name, second_voice_wav)
+        assert engine.metrics()["kv_pages_in_use"] == before
+        assert engine.voices == ["default"]
+        assert engine.scheduler.voices["default"].table is old_table
+    engine.blocks.release(spare)
+    opts = options(5, 0.3, max_frames=6)
+    outcome = await run_request(engine, TEXTS[1], None, opts)
+    check_outcome(outcome, reference, TEXTS[1], "default", opts, "after the refused voice")
+    await wait_idle(engine, floor)
+
+
+@pytest.mark.parametrize("where", ["ar", "decoder", "decoder_exit"])
+async def test_an_unrecoverable_error_ends_every_stream(make_engine, where: str) -> None:
+    engine = make_engine()
+    streams = open_streams(engine)
+    for stream, (text, _, _) in zip(streams, jobs(), strict=True):
+        stream.push_text(text)
+        stream.end_input()
+    for stream in streams:  # all are generating
+        assert isinstance(await asyncio.wait_for(stream.__anext__(), TIMEOUT), AudioChunk)
+    waiting = engine.stream()  # open, no text yet
+
+    def boom(*args) -> None:
+        raise InjectedFault(where)
+
+    def leave(*args) -> None:
+        raise SystemExit  # a thread that quits without an Exception
+
+    if where == "ar":
+        engine._retire_requests = boom
+    elif where == "decoder":
+        engine.decoder._run_control_items = boom
+    else:
+        engine.decoder._run_control_items = leave
+    engine.cancel(streams[0].request)  # wakes both stages up
+    started = time.monotonic()
+    results = await asyncio.wait_for(
+        asyncio.gather(*[collect(s) for s in [*streams, waiting]]), FAIL_WITHIN
+    )
+    assert time.monotonic() - started < FAIL_WITHIN
+    for i, (_, error) in enumerate(results):
+        assert isinstance(error, EngineFailedError), f"stream {i}: {error!r}"
+    health = engine.health()
+    assert not health.ok and health.reason
+    assert ("AR" in health.reason) == (where == "ar"), health.reason
+    with pytest.raises(EngineFailedError):
+        engine.stream()
+    closed_at = time.monotonic()
+    engine.close()
+    assert time.monotonic() - closed_at < 5.0
+
+
+async def test_stream_during_or_after_close_is_refused(make_engine) -> None:
+    engine = make_engine()
+    opened = [engine.stream(None, options(1, max_frames=4)) for _ in range(3)]
+    opened[0].push_text(TEXTS[0])
+    opened[0].end_input()
+    opened[1].push_text(TEXTS[1])
+    engine.close()
+    for stream in opened:
+        _, error = await collect(stream)  # every stream made before close() has a final event
+        assert error is None or isinstance(error, EngineClosedError), error
+    with pytest.raises(EngineClosedError):
+        engine.stream()
+    assert not engine.health().ok
+
+
+async def test_healthz_answers_503_with_the_reason(make_engine) -> None:
+    """An orchestrator restarts a process whose engine failed: /healthz says 503 and why."""
+    import httpx
+    from test_server_support import ServerThread
+
+    from intone.provider.server.app import create_app
+
+    engine = make_engine(second_voice=False)
+    server = ServerThread(create_app(engine=engine)).start()
+    try:
+        async with httpx.AsyncClient() as http:
+            healthy = await http.get(f"{server.url}/healthz")
+            assert healthy.status_code == 200 and healthy.json()["status"] == "ok"
+
+            def boom(*args) -> None:
+                raise InjectedFault("AR")
+
+            engine._retire_requests = boom
+            stream = engine.stream(None, options(1, max_frames=4))
+            stream.push_text(TEXTS[0])  # wakes the AR thread, which dies
+            _, error = await collect(stream)
+            assert isinstance(error, EngineFailedError)
+            failed = await http.get(f"{server.url}/healthz")
+            assert failed.status_code == 503, failed.text
+            body = failed.json()
+            assert body["status"] == "unhealthy" and "AR stage failed" in body["error"]
+    finally:
+        server.stop()
+
+
+# ---- options
+
+
+BAD_VALUES = [float("nan"), float("inf"), float("-inf"), 1e300, -1e300, 2**80, "1", True]
+
+
+@pytest.mark.parametrize("name", option_names())
+async def test_bad_option_values_never_reach_a_step(make_engine, name: str) -> None:
+    engine = make_engine(second_voice=False)
+    steps = engine.metrics()["generate_batches"]
+    # A switch (normalize) takes only True or False; every other option refuses a bool.
+    bad = [v for v in BAD_VALUES if not isinstance(v, bool)] if name == "normalize" else BAD_VALUES
+    for value in bad:
+        with pytest.raises(InvalidOptionError):
+            GenerationOptions(**{name: value})
+        opts = GenerationOptions()
+        setattr(opts, name, value)  # changed after validation: the engine validates again
+        with pytest.raises(InvalidOptionError):
+            engine.stream(None, opts)
+    assert engine.metrics()["generate_batches"] == steps
+    assert engine.metrics()["queued_requests"] == 0
+
+
+async def test_a_chaining_tail_too_big_for_the_pool_is_refused_at_stream(make_engine) -> None:
+    engine = make_engine(second_voice=False, page_size=16)
+    floor = voice_pages(engine)
+    engine.close()
+    # Two pages beyond the voice: a 32-frame tail (plus a token and a frame) cannot fit.
+    engine = make_engine(second_voice=False, page_size=16, num_pages=floor + 2)
+    with pytest.raises(InvalidOptionError, match="chain_frames"):
+        engine.stream(None, options(1, chain_frames=32))
+    assert engine.metrics()["queued_requests"] == 0
+    stream = engine.stream(None, options(1, chain_frames=0, max_frames=4))
+    stream.cancel()
+
+
+@pytest.fixture
+def option_engine(make_engine):
+    """One engine for every example of the property test below."""
+    return make_engine(second_voice=False)
+
+
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(name=st.sampled_from(option_names()), value=values)
+def test_property_option_values_are_refused_or_safe(
+    option_engine, name: str, value: object
+) -> None:
+    """Any value is refused with InvalidOptionError, at construction and again at stream(), or
+    is a finite number (or None where a default applies) that the engine takes."""
+    try:
+        GenerationOptions(**{name: value})
+        accepted = True
+    except InvalidOptionError:
+        accepted = False
+    if accepted and name == "normalize":
+        assert isinstance(value, bool), value
+    elif accepted:
+        assert value is None or (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ), value
+    # This engine runs one flow step: any other count is refused at stream() too.
+    expected = accepted and (name != "flow_steps" or value == 1)
+
+    async def opens() -> bool:
+        opts = GenerationOptions()
+        setattr(opts, name, value)
+        try:
+            stream = option_engine.stream(None, opts)
+        except InvalidOptionError:
+            return False
+        stream.cancel()
+        return True
+
+    assert asyncio.run(opens()) == expected
+    assert option_engine.metrics()["generate_batches"] == 0
+
+
+def test_option_lists_derive_from_generation_options() -> None:
+    """The server's, the Pipecat service's and the LiveKit plugin's options are its fields."""
+    import inspect
+
+    from livekit.plugins import intone as livekit_intone
+
+    from intone.provider import pipecat
+    from intone.provider.server import protocol
+
+    names = [name for name in option_names() if name != "flow_steps"]  # fixed per engine
+    assert list(protocol.STREAM_OPTIONS) == names
+    assert list(pipecat.GENERATION_FIELDS) == names
+    assert set(names) <= set(inspect.signature(livekit_intone.TTS.__init__).parameters)
+    assert set(names) <= set(inspect.signature(livekit_intone.TTS.update_options).parameters)
+
+
+# ---- device correctness
+
+
+def test_steps_mix_no_host_tensor_into_device_math(tiny_model: LoadedModel) -> None:
+    """The runner's prefill, AR step and decode step on the `meta` device: a host tensor meeting a
+    device tensor inside a step raises (meta runs no host read-back, so those stay outside)."""
+    meta = torch.device("meta")
+    model = copy.deepcopy(tiny_model.model).to(meta)
+    flow_lm = model.flow_lm
+    blocks = BlockManager(32, 16)
+    runner = ModelRunner(model, blocks, 2, 1, meta, batch_buckets=(4,))
+    requests = []
+    for i, length in enumerate((5, 9)):
+        table = blocks.allocate(0)
+        assert blocks.reserve(table, 40)
+        blocks.extend(table, length)
+        requests.append(
+            SimpleNamespace(
+                table=table,
+                prompt=torch.zeros(length, flow_lm.dim, device=meta),
+                previous_latent=torch.zeros(flow_lm.latent_dim, device=meta),
+                eos_threshold=0.5,
+                temperature=0.3,
+                noise_clamp=None if i else 2.0,
+                generator=torch.Generator().manual_seed(i),
+            )
+        )
+    runner.prefill(requests)
+    for request in requests:
+        blocks.extend(request.table, 1)
+    noise = [runner.draw_noise(r) for r in requests]
+    assert all(n.device == meta for n in noise)
+    latents, eos = runner.generate(requests, noise)
+    assert latents.device == meta and latents.shape == (2, flow_lm.latent_dim)
+    assert eos.device == meta and eos.dtype == torch.bool and eos.shape == (2,)
+    slots = [runner.decoder_states.acquire() for _ in requests]
+    audio = runner.decode(slots, latents[:, None])
+    assert audio.device == meta and audio.shape == (2, model.samples_per_frame)

@@ -1,0 +1,387 @@
+"""Scheduling: idle streams hold nothing, generation paced by playback, no stall at clause ends.
+
+On the tiny checkpoint, EOS off; every test bounded in time. Timings here only compare a request
+with itself on the same engine (TTFA with idle streams open against TTFA alone), never against a
+fixed speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import numpy as np
+import pytest
+import test_engine
+from prometheus_client.parser import text_string_to_metric_families
+from test_engine import (
+    TEXTS,
+    TIMEOUT,
+    AudioChunk,
+    ClauseDone,
+    Outcome,
+    Reference,
+    assert_same_audio,
+    check_outcome,
+    drain,
+    options,
+    run_request,
+    slow_decoder,
+    voice_pages,
+    wait_idle,
+)
+
+from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
+
+make_engine = test_engine.make_engine
+reference = test_engine.reference
+voices = test_engine.voices
+second_voice_wav = test_engine.second_voice_wav
+
+
+async def say_and_wait(engine, seed: int):
+    """A stream that says one clause, flushes, and waits for more (an agent's LLM)."""
+    stream = engine.stream(None, options(seed, max_frames=4))
+    stream.push_text(TEXTS[0])
+    stream.flush()
+    async with asyncio.timeout(TIMEOUT):
+        async for event in stream:
+            if isinstance(event, ClauseDone):
+                break
+    return stream
+
+
+async def ttfa(engine, seed: int) -> float:
+    stream = engine.stream(None, options(seed, max_frames=4))
+    started = time.perf_counter()
+    stream.push_text(TEXTS[0])
+    stream.end_input()
+    first = await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+    elapsed = time.perf_counter() - started
+    assert isinstance(first, AudioChunk)
+    await drain(stream)
+    return elapsed
+
+
+async def test_idle_streams_hold_nothing_and_delay_nobody(make_engine) -> None:
+    engine = make_engine(max_active=16)
+    floor = voice_pages(engine)
+    alone = statistics.median([await ttfa(engine, 100 + i) for i in range(3)])
+    idle = [await say_and_wait(engine, i) for i in range(16)]
+    # 16 open streams, all quiet: no row, no decoder row, no queue place, no pages.
+    await wait_idle(engine, floor)
+    m = engine.metrics()
+    assert m["streams_open"] == 16 and m["rows_generating"] == 0, m
+    crowded = statistics.median([await ttfa(engine, 200 + i) for i in range(3)])
+    # Small absolute slack: these are tens of milliseconds on a shared machine.
+    assert crowded <= 2 * alone + 0.05, (
+        f"TTFA {crowded:.3f} s with 16 idle streams, {alone:.3f} alone"
+    )
+    # The idle streams are still usable, and continue seamlessly.
+    stream = idle[3]
+    stream.push_text(TEXTS[1])
+    stream.end_input()
+    assert any(isinstance(e, AudioChunk) for e in await drain(stream))
+    for other in idle:
+        other.cancel()
+    await wait_idle(engine, floor)
+
+
+async def test_a_stream_resumed_after_parking_equals_the_single_path(
+    make_engine, reference: Reference
+) -> None:
+    """Parking (decoder row given up between clauses, history saved) never changes the audio."""
+    engine = make_engine()
+    floor = voice_pages(engine)
+    opts = options(7, 0.3, max_frames=6)
+    clauses = reference.clauses(TEXTS[3])
+    stream = engine.stream(None, opts)
+    outcome = Outcome()
+    for index, clause in enumerate(clauses):
+        stream.push_text(clause + " ")
+        stream.flush()
+        async with asyncio.timeout(TIMEOUT):
+            async for event in stream:
+                outcome.events.append(event)
+                if isinstance(event, ClauseDone):
+                    break
+        await wait_idle(engine, floor)  # parked: no row, no decoder row
+        if index < len(clauses) - 1:
+            await asyncio.sleep(0.05)
+    stream.end_input()
+    outcome.events += await drain(stream)
+    check_outcome(outcome, reference, TEXTS[3], "default", opts, "parked between clauses")
+
+
+async def test_bare_starts_do_not_fill_the_queue(make_engine, reference: Reference) -> None:
+    engine = make_engine(max_queued=4, max_streams=40)
+    floor = voice_pages(engine)
+    bare = [engine.stream() for _ in range(39)]
+    assert engine.metrics()["queued_requests"] == 0
+    opts = options(3, max_frames=5)
+    outcome = await asyncio.wait_for(run_request(engine, TEXTS[0], None, opts), TIMEOUT)
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "beside 39 bare streams")
+    engine.stream()  # the 40th
+    with pytest.raises(EngineFullError, match="streams"):
+        engine.stream()
+    for stream in bare:
+        stream.cancel()
+    await wait_idle(engine, floor)
+
+
+async def test_idle_timeout_fires_and_releases_everything(make_engine) -> None:
+    engine = make_engine(idle_timeout_s=0.3)
+    floor = voice_pages(engine)
+    bare = engine.stream()
+    spoke = await say_and_wait(engine, 1)
+    busy = engine.stream(None, options(2, max_frames=30))  # stays busy: never times out
+    busy.push_text(TEXTS[2])
+    started = time.monotonic()
+    for stream in (bare, spoke):
+        with pytest.raises(IdleTimeoutError):
+            await asyncio.wait_for(drain(stream), 5.0)
+    assert time.monotonic() - started >= 0.25
+    busy.end_input()
+    events = await drain(busy)
+    assert sum(isinstance(e, AudioChunk) for e in events) > 0
+    await wait_idle(engine, floor)
+    m = engine.metrics()
+    assert m["idle_timeouts"] == 2 and m["streams_open"] == 0, m
+
+
+async def test_unread_audio_is_bounded_and_resumes(make_engine, reference: Reference) -> None:
+    """A consumer that stops reading: the stream stops generating (it is not dropped), the audio
+    buffered for it stays bounded in seconds, and it completes once the consumer reads."""
+    engine = make_engine(lead_s=None, max_unread_s=0.5)
+    floor = voice_pages(engine)
+    opts = options(5, 0.3, max_frames=60)  # 3 clauses of up to 4.8 s each
+    stream = engine.stream(None, opts)
+    stream.push_text(TEXTS[2])
+    stream.end_input()
+    first = await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+    seen = []
+    for _ in range(20):  # 1 s of not reading
+        await asyncio.sleep(0.05)
+        seen.append(stream.request.unread_seconds)
+    frame_s = 1920 / 24000
+    in_flight = 8 * frame_s  # latents already sent to the decoder when the bound was hit
+    assert max(seen) <= 0.5 + in_flight, seen
+    assert not stream.request.cancelled and engine.metrics()["streams_open"] == 1
+    generated = stream.request.frames_generated
+    await asyncio.sleep(0.2)
+    assert stream.request.frames_generated == generated, "still generating while unread"
+    outcome = Outcome([first, *await drain(stream)])
+    check_outcome(outcome, reference, TEXTS[2], "default", opts, "after the pause")
+    await wait_idle(engine, floor)
+
+
+async def test_pacing_never_changes_the_audio(make_engine, reference: Reference) -> None:
+    engine = make_engine(lead_s=0.3)
+    floor = voice_pages(engine)
+    jobs = [(TEXTS[i % 4], ("default", "second")[i % 2], options(40 + i, 0.3)) for i in range(4)]
+    outcomes = await asyncio.gather(*[run_request(engine, *job) for job in jobs])
+    for i, ((text, voice, opts), outcome) in enumerate(zip(jobs, outcomes, strict=True)):
+        check_outcome(outcome, reference, text, voice, opts, f"paced request {i}")
+    m = engine.metrics()
+    assert m["pacing_paused_seconds"] > 0, "pacing never held a stream back"
+    await wait_idle(engine, floor)
+
+
+async def test_playback_reports_pace_generation(make_engine) -> None:
+    engine = make_engine(lead_s=0.4)
+    stream = engine.stream(None, options(6, max_frames=60))
+    stream.report_playback(0.0)
+    stream.push_text(TEXTS[2])
+    frame_s = 1920 / 24000
+
+    async def settle() -> float:
+        """Generated audio once it stops growing."""
+        before = -1
+        while (now := stream.request.frames_generated) != before:
+            before = now
+            await asyncio.sleep(0.15)
+        return now * frame_s
+
+    ahead = await asyncio.wait_for(settle(), TIMEOUT)
+    assert ahead <= 0.4 + 2 * frame_s, ahead
+    stream.report_playback(1.5)
+    later = await asyncio.wait_for(settle(), TIMEOUT)
+    assert 1.5 < later <= 1.9 + 2 * frame_s, later
+    for bad in (-1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(InvalidOptionError):
+            stream.report_playback(bad)
+    stream.cancel()
+
+
+async def test_next_clause_starts_before_the_previous_audio_is_delivered(make_engine) -> None:
+    engine = make_engine(lead_s=None)
+    slow_decoder(engine, 0.03)  # the decoder lags the AR stage by many frames
+    prefills: list[float] = []
+    prefill = engine.runner.prefill
+
+    def recorded(requests) -> None:
+        prefills.append(time.perf_counter())
+        prefill(requests)
+
+    engine.runner.prefill = recorded
+    stream = engine.stream(None, options(8, max_frames=10))
+    stream.push_text(TEXTS[1])  # two clauses
+    stream.end_input()
+    delivered: list[float] = []
+    async with asyncio.timeout(TIMEOUT):
+        async for event in stream:
+            if isinstance(event, ClauseDone):
+                delivered.append(time.perf_counter())
+    assert len(prefills) == 2 and len(delivered) == 2
+    assert prefills[1] < delivered[0], "clause 2 waited for clause 1's audio"
+
+
+async def test_a_new_streams_first_frame_is_decoded_next(make_engine) -> None:
+    engine = make_engine(lead_s=None, max_decode_frames=4)
+    slow_decoder(engine, 0.02)
+    calls: list[list[int]] = []
+    decode = engine.runner.decode
+
+    def recorded(slots, latents):
+        calls.append(list(slots))
+        return decode(slots, latents)
+
+    engine.runner.decode = recorded
+    busy = [engine.stream(None, options(10 + i, max_frames=80)) for i in range(4)]
+    for stream in busy:
+        stream.push_text(TEXTS[2])
+        stream.end_input()
+    for stream in busy:
+        await asyncio.wait_for(stream.__anext__(), TIMEOUT)
+    await asyncio.sleep(0.3)  # a backlog builds up behind the slow decoder
+    assert engine.metrics()["decoder_queue_depth"] + sum(len(c) for c in calls) > 0
+    new = engine.stream(None, options(20, max_frames=40))  # still decoding when we look
+    first_put: list[int] = []
+    put = engine.decoder.put
+
+    def put_recorded(item) -> None:
+        if item.request is new.request and not first_put:
+            first_put.append(len(calls))
+        put(item)
+
+    engine.decoder.put = put_recorded
+    new.push_text(TEXTS[0])
+    new.end_input()
+    await asyncio.wait_for(new.__anext__(), TIMEOUT)
+    slot = new.request.decoder_slot
+    (n0,) = first_put
+    first_call = next(i for i, slots in enumerate(calls) if i >= n0 and slot in slots)
+    # The call that was already running when the latent arrived, or the next one.
+    assert first_call <= n0 + 1, (n0, first_call, calls[n0 : first_call + 1])
+    for stream in [*busy, new]:
+        stream.cancel()
+
+
+async def test_a_tenant_holds_at_most_its_rows(make_engine, reference: Reference) -> None:
+    engine = make_engine(max_active=4, max_rows_per_tenant=2, lead_s=None)
+    floor = voice_pages(engine)
+    most: dict[str, int] = {}
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            for tenant in ("a", "b"):
+                rows = sum(r.tenant == tenant for r in list(engine.scheduler.running))
+                most[tenant] = max(most.get(tenant, 0), rows)
+            await asyncio.sleep(0.002)
+
+    watcher = asyncio.create_task(watch())
+    streams = [engine.stream(None, options(30 + i, max_frames=12), tenant="a") for i in range(4)]
+    streams.append(engine.stream(None, options(40, max_frames=12), tenant="b"))
+    for stream in streams:
+        stream.push_text(TEXTS[1])
+        stream.end_input()
+    outcomes = await asyncio.gather(*[drain(s) for s in streams])
+    stop.set()
+    await watcher
+    assert most["a"] == 2 and most["b"] == 1, most
+    for i, events in enumerate(outcomes):
+        audio = np.concatenate([e.samples for e in events if isinstance(e, AudioChunk)])
+        opts = options(30 + i if i < 4 else 40, max_frames=12)
+        assert_same_audio(audio, reference.audio(TEXTS[1], "default", opts), f"stream {i}")
+    await wait_idle(engine, floor)
+
+
+async def test_scheduling_metrics(make_engine) -> None:
+    engine = make_engine(lead_s=0.2)
+    await asyncio.gather(
+        *[run_request(engine, TEXTS[2], None, options(i, max_frames=8)) for i in range(2)]
+    )
+    m = engine.metrics()
+    for key in ("streams_open", "rows_generating", "streams_paced", "idle_timeouts"):
+        assert key in m, key
+    assert m["generate_seconds_mean"] > 0 and m["decode_seconds_mean"] > 0, m
+    assert m["pacing_paused_seconds"] > 0, m
+    families = {f.name: f for f in text_string_to_metric_families(engine.prometheus().decode())}
+    steps = {s.labels.get("stage") for s in families["intone_step_seconds"].samples}
+    assert {"prefill", "generate", "decode"} <= steps
+    assert "intone_stream_lead_seconds" in families
+    assert "intone_pacing_paused_seconds" in families and "intone_idle_timeouts" in families
+
+
+async def test_an_in_process_turn_outlives_the_idle_timeout(make_engine) -> None:
+    """The plugins' speech stream: when the engine stream times out mid-turn (a slow tool
+    call), the turn's later text opens a fresh engine stream instead of failing the turn."""
+    from intone.provider.backends import EngineSpeech
+
+    engine = make_engine(idle_timeout_s=0.3)
+    floor = voice_pages(engine)
+    opts = options(9, max_frames=4)
+    speech = EngineSpeech(
+        engine.stream(None, opts), engine.sample_rate, reopen=lambda: engine.stream(None, opts)
+    )
+    events: list = []
+
+    async def consume() -> None:
+        async for event in speech:
+            events.append(event)
+
+    consumer = asyncio.create_task(consume())
+    await speech.push_text("Hello there.")
+    speech.stream.flush()
+    async with asyncio.timeout(TIMEOUT):
+        while not any(isinstance(e, ClauseDone) for e in events):
+            await asyncio.sleep(0.01)
+    first = speech.stream
+    async with asyncio.timeout(TIMEOUT):
+        while engine.metrics()["idle_timeouts"] == 0:  # the tool call takes a while
+            await asyncio.sleep(0.02)
+    await speech.push_text("And here is the rest of it.")
+    await speech.end_input()
+    await asyncio.wait_for(consumer, TIMEOUT)
+    assert speech.stream is not first
+    assert sum(isinstance(e, ClauseDone) for e in events) == 2, events
+    assert speech.submitted_clauses == 2
+    await wait_idle(engine, floor)
+
+
+async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
+    make_engine, reference: Reference
+) -> None:
+    """One row: a stream far ahead of playback parks at its clause end so a waiting request can
+    start; it resumes once playback catches up, and neither's audio changes."""
+    engine = make_engine(max_active=1, lead_s=0.3)
+    floor = voice_pages(engine)
+    ahead_opts, other_opts = options(50, 0.3, max_frames=10), options(51, 0.3, max_frames=4)
+    ahead = engine.stream(None, ahead_opts)
+    ahead.push_text(TEXTS[2])  # three clauses of 0.8 s
+    ahead.end_input()
+    first = await asyncio.wait_for(ahead.__anext__(), TIMEOUT)
+    other = engine.stream(None, other_opts)
+    other.push_text(TEXTS[0])
+    other.end_input()
+    other_events = await asyncio.wait_for(drain(other), TIMEOUT)
+    # The other request finished while the first still had clauses to say.
+    assert (
+        ahead.request.pending or ahead.request.clause is not None or not ahead.request.input_ended
+    )
+    outcome = Outcome([first, *await asyncio.wait_for(drain(ahead), TIMEOUT)])
+    check_outcome(outcome, reference, TEXTS[2], "default", ahead_opts, "paced and parked")
+    check_outcome(Outcome(other_events), reference, TEXTS[0], "default", other_opts, "the other")
+    await wait_idle(engine, floor)
