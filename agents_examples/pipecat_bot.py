@@ -67,7 +67,7 @@ def make_app(model: str | None, voice: str | None, base_url: str | None, sample_
     )
     from pipecat.workers.runner import WorkerRunner
 
-    from intone.provider import shared
+    from intone.provider import registry
     from intone.provider.pipecat import IntoneTTSService
 
     class JsonInPcmOutSerializer(FrameSerializer):
@@ -124,7 +124,7 @@ def make_app(model: str | None, voice: str | None, base_url: str | None, sample_
 
     if base_url is None:
         # Load and warm the engine once, before the first connection; every pipeline shares it.
-        shared.prewarm(model)
+        registry.prewarm(model)
 
     app = FastAPI()
 

@@ -32,9 +32,9 @@ class WordTiming:
 class ClauseDone:
     """A clause's audio has all been delivered; where it lies in the stream's audio.
 
-    `start_sample` and `samples` count the samples the caller received (at the stream's speed;
-    exact at speed 1.0). `words` are the caller's own words of `text` with estimated times, in
-    seconds from the stream's first sample (`timeline.py` says how they are estimated).
+    `start_sample` and `sample_count` count the samples the caller received (at the stream's
+    speed; exact at speed 1.0). `words` are the caller's own words of `text` with estimated
+    times, in seconds from the stream's first sample (`timeline.py` says how they are estimated).
     """
 
     clause: int
@@ -42,5 +42,5 @@ class ClauseDone:
     frames: int
     eos_frame: int | None = None  # the clause's frame where the model signalled end of speech
     start_sample: int = 0
-    samples: int = 0
+    sample_count: int = 0  # not `samples`: that name is AudioChunk's array
     words: list[WordTiming] = field(default_factory=list)

@@ -114,14 +114,14 @@ class Timeline:
         if event.eos_frame is not None:
             speech = min(length, (event.eos_frame + 1) * self.frame_size)
         start = self.tempo.output_position(first)
-        samples = self.tempo.output_position(first + length) - start
+        count = self.tempo.output_position(first + length) - start
         words = estimate_word_times(
             event.text,
             start / self.sample_rate,
             self.tempo.output_position(speech) / self.sample_rate,
             self._count_tokens,
         )
-        return dataclasses.replace(event, start_sample=start, samples=samples, words=words)
+        return dataclasses.replace(event, start_sample=start, sample_count=count, words=words)
 
     def end(self) -> np.ndarray:
         """The last of the audio, held back by the tempo, at the end of the stream."""

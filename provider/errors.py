@@ -30,6 +30,7 @@ _KINDS: dict[str, Kind] = {
     # engine codes
     "invalid_option": Kind.BAD_REQUEST,
     "unknown_voice": Kind.BAD_REQUEST,
+    "unknown_model": Kind.BAD_REQUEST,
     "empty_text": Kind.BAD_INPUT,
     "text_too_long": Kind.BAD_INPUT,
     "stream_closed": Kind.BAD_INPUT,

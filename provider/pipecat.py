@@ -34,9 +34,10 @@ from pipecat.utils.tracing.service_decorators import traced_tts
 from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel, releases
+from intone.engine.audio import to_pcm16
 from intone.engine.errors import UnknownModelError
 from intone.engine.options import option_names
-from intone.provider import shared
+from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind, is_busy
 
 # Generation settings a turn's stream takes from the service settings: GenerationOptions'
@@ -88,7 +89,7 @@ class _Turn:
     """One audio context's engine stream and the task moving its audio into the context."""
 
     context_id: str
-    speech: shared.SpeechStream
+    speech: backends.SpeechStream
     resampler: Any | None
     task: asyncio.Task | None = None
     has_text: bool = False
@@ -104,7 +105,7 @@ class IntoneTTSService(TTSService):
     stream (one audio context), so its clauses run in order and are chained (each clause is
     conditioned on the end of the previous one, which keeps the voice and prosody continuous).
     Throughput comes from batching across sessions: every service of the process that uses the
-    same model shares one engine (`intone.provider.shared`), so concurrent pipelines' requests
+    same model shares one engine (`intone.provider.registry`), so concurrent pipelines' requests
     run in the same engine steps.
 
     Text aggregation: TOKEN by default. The engine cuts the stream into clauses itself, with a
@@ -137,7 +138,7 @@ class IntoneTTSService(TTSService):
     voice or option INVALID_REQUEST, a busy engine or server RATE_LIMIT, after up to
     `BUSY_RETRY_DELAYS_S` of retries before the turn's first audio.
 
-    Loading: the shared engine loads in `start()`, off the event loop (`shared.prewarm(model)`
+    Loading: the shared engine loads in `start()`, off the event loop (`registry.prewarm(model)`
     before the pipeline starts loads it ahead; an engine already loaded is used at once).
 
     Remote mode: `base_url="ws://host:port"` sends the text to an `intone serve` process (its
@@ -184,12 +185,10 @@ class IntoneTTSService(TTSService):
             word_timestamps: push word-timed text frames (on by default).
             **kwargs: passed to `TTSService` (e.g. `sample_rate`).
         """
-        if base_url is not None and engine is not None:
-            raise ValueError("pass either base_url (remote) or engine (in-process), not both")
         if engine is not None and (model is not None or language is not None):
             raise ValueError("an engine of yours speaks its own model: no model= or language=")
         # The model new turns speak with, or why there is none (an unknown language).
-        self._model: shared.ModelSpec | UnknownModelError = shared.pick_model(
+        self._model: registry.ModelSpec | UnknownModelError = registry.pick_model(
             model, None if language is None else str(language)
         )
         if isinstance(self._model, LoadedModel):
@@ -227,7 +226,7 @@ class IntoneTTSService(TTSService):
         # In-process, the registry loads each model once per process and every service of the
         # same model shares its engine; a load blocks, so it waits for `start()` (or, after a
         # model change, the first turn of the new model), unless the engine already runs.
-        self._backends = shared.Backends(base_url=base_url, engine=engine, config=engine_config)
+        self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
         self._backends.adopt_loaded(self._model)
 
     @property
@@ -378,7 +377,7 @@ class IntoneTTSService(TTSService):
         try:
             async for event in turn.speech:
                 if isinstance(event, AudioChunk):
-                    pcm = shared.to_pcm16(event.samples)
+                    pcm = to_pcm16(event.samples)
                     if turn.resampler is not None:
                         pcm = await turn.resampler.resample(pcm, source_rate, self.sample_rate)
                     await self._append_audio(turn, pcm)

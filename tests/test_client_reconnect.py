@@ -139,7 +139,7 @@ async def test_plugins_remote_backend_retries_an_unheard_turn(servers):
     """The LiveKit plugin's and the Pipecat service's remote mode (RemoteBackend) ride on the
     same reconnect: a turn cut before its first audio still speaks."""
     from intone.engine import AudioChunk
-    from intone.provider.shared import RemoteBackend
+    from intone.provider.backends import RemoteBackend
 
     a, b = servers
     async with Relay(f"ws://127.0.0.1:{a.port}") as relay:
@@ -182,7 +182,7 @@ async def test_drain_cancel_before_first_audio_retries_elsewhere(servers):
 async def test_plugins_remote_backend_retries_a_draining_server(servers):
     """A turn refused with `shutting_down` (server A drained by the test above) is retried on a
     fresh connection, which the load balancer sends to server B."""
-    from intone.provider.shared import RemoteBackend
+    from intone.provider.backends import RemoteBackend
 
     a, b = servers
     assert a.app.state.intone.draining

@@ -328,7 +328,7 @@ async def test_scheduling_metrics(make_engine) -> None:
 async def test_an_in_process_turn_outlives_the_idle_timeout(make_engine) -> None:
     """The plugins' speech stream: when the engine stream times out mid-turn (a slow tool
     call), the turn's later text opens a fresh engine stream instead of failing the turn."""
-    from intone.provider.shared import EngineSpeech
+    from intone.provider.backends import EngineSpeech
 
     engine = make_engine(idle_timeout_s=0.3)
     floor = voice_pages(engine)

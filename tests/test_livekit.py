@@ -36,7 +36,7 @@ from livekit.agents.voice.transcription import TranscriptSynchronizer
 from livekit.plugins import intone
 
 from intone.engine import Engine, EngineConfig
-from intone.provider import shared
+from intone.provider import registry
 from intone.provider.server import create_app
 
 # Clauses of a fixed length (random weights never hit EOS at this threshold): short, known audio.
@@ -153,8 +153,11 @@ async def wait_until(condition, timeout: float = 5.0, interval: float = 0.01) ->
 
 def idle(engine: Engine, pages_at_idle: int) -> bool:
     m = engine.metrics()
+    # streams_open too: a turn parked waiting for text holds no batch slot, and a cancelled one
+    # is counted when its stream ends.
     return (
-        m["active_requests"] == 0
+        m["streams_open"] == 0
+        and m["active_requests"] == 0
         and m["queued_requests"] == 0
         and m["kv_pages_in_use"] == pages_at_idle
     )
@@ -174,7 +177,7 @@ def engine(tiny_checkpoint: Path):
     """The module's shared engine of the tiny checkpoint, pinned as a worker's prewarm pins it."""
     engine = intone.prewarm(str(tiny_checkpoint))
     yield engine
-    shared.shutdown()
+    registry.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +224,7 @@ def test_prewarm_outside_a_loop_loads_the_shared_engine(engine: Engine, tiny_che
     assert tts.engine is engine
     assert engine.metrics()["decode_batches"] > 0  # warmed up
     asyncio.run(tts.aclose())
-    assert engine in shared.engines()  # pinned: closing the instance keeps it
+    assert engine in registry.engines()  # pinned: closing the instance keeps it
 
 
 async def test_say_and_run_speak_in_real_time(engine: Engine, tiny_checkpoint: Path):
@@ -266,7 +269,9 @@ async def test_barge_in_stops_audio_and_frees_the_engine(
     handle = session.generate_reply(user_input="Talk to me.")
     await wait_until(lambda: output.first_frame_at is not None)
     await asyncio.sleep(0.3)
-    assert engine.metrics()["streams_open"] == 1  # mid-utterance (a row only while generating)
+    # Mid-utterance: the turn's request is open (generating, or parked waiting for the LLM's
+    # next clause, which holds no batch slot).
+    assert engine.metrics()["streams_open"] == 1
     await session.interrupt()
     await handle
     assert handle.interrupted
@@ -326,10 +331,10 @@ async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint:
     await first.synthesize("One.").collect()
     await second.synthesize("Two.").collect()
     assert first.engine is second.engine
-    assert shared.users(model) == 2
+    assert registry.users(model) == 2
 
     await first.aclose()
-    assert shared.users(model) == 1
+    assert registry.users(model) == 1
     frame = await second.synthesize("Still here.").collect()
     assert frame.duration > 0
     with pytest.raises(APIConnectionError):
@@ -337,7 +342,7 @@ async def test_aclose_on_one_instance_leaves_the_others_working(tiny_checkpoint:
 
     engine = second.engine
     await second.aclose()
-    assert shared.users(model) == 0 and engine not in shared.engines()
+    assert registry.users(model) == 0 and engine not in registry.engines()
 
 
 async def test_load_fnc_reflects_engine_occupancy(engine: Engine, tiny_checkpoint: Path):
@@ -359,7 +364,7 @@ async def test_load_is_full_when_every_slot_is_taken(tiny_checkpoint: Path, tmp_
     streams = [tts.stream() for _ in range(3)]  # two generate, one waits for a slot
     for stream in streams:
         stream.push_text("A long clause that keeps its slot, then waiting for more text")
-    await wait_until(lambda: tts.engine is not None and shared.occupancy(tts.engine) == 1.0)
+    await wait_until(lambda: tts.engine is not None and registry.occupancy(tts.engine) == 1.0)
     assert intone.load_fnc() == 1.0
     for stream in streams:
         await stream.aclose()
@@ -468,6 +473,12 @@ async def test_remote_mode_speaks_through_intone_serve(engine: Engine, server_ur
     assert engine.metrics()["requests_completed"] == completed + 2
     frame = output.frames[0]
     assert (frame.sample_rate, frame.num_channels) == (24000, 1)
+    # The server's name for itself and its model, from its hello.
+    assert tts.provider == "intone"
+    assert tts.model != server_url and tts.model in engine.loaded.source  # the checkpoint's name
+    # Word timing over the protocol: the words ride on the frames as TimedStrings.
+    timed = [w for f in output.frames for w in f.userdata.get(USERDATA_TIMED_TRANSCRIPT, [])]
+    assert [w.strip() for w in timed][:3] == ["Hello", "from", "the"]
     await session.aclose()
     await tts.aclose()
 
@@ -628,3 +639,35 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     assert len(said) >= len(ended), f"{said=} {started=} {position=}"
     await session.aclose()
     await tts.aclose()
+
+
+@pytest.mark.parametrize("sample_rate", [24000, 16000])
+async def test_streamed_segment_frames_are_50_to_250_ms(
+    engine: Engine, tiny_checkpoint: Path, sample_rate: int
+):
+    """LiveKit's own plugin tests hold non-final frames to 50-250 ms; only the last is final."""
+    tts = intone.TTS(model=tiny_checkpoint, sample_rate=sample_rate, **FAST)
+    stream = tts.stream()
+    text = "Hello there, this is a test of frame sizes. Another sentence follows."
+    for word in text.split(" "):
+        stream.push_text(word + " ")
+    stream.end_input()
+    frames = [event async for event in stream]
+    assert len(frames) > 3 and [f.is_final for f in frames].count(True) == 1 and frames[-1].is_final
+    for event in frames[:-1]:
+        assert 0.05 <= event.frame.duration <= 0.25, event.frame.duration
+    assert {f.frame.sample_rate for f in frames} == {sample_rate}
+    await stream.aclose()
+    await tts.aclose()
+
+
+async def test_aclose_closes_streams_in_flight(
+    engine: Engine, tiny_checkpoint: Path, pages_at_idle: int
+):
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    stream = tts.stream()
+    stream.push_text("This turn is still open, and its engine request with it, ")
+    await wait_until(lambda: engine.metrics()["active_requests"] == 1)
+    await asyncio.wait_for(tts.aclose(), timeout=5)
+    # The engine request was cancelled with the stream: nothing holds the slot or its pages.
+    await wait_until(lambda: idle(engine, pages_at_idle), timeout=2.0)

@@ -52,7 +52,7 @@ class Reference:
 def ours(
     loaded: LoadedModel, voice: Voice, text: str, eos_threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The reference has no spoken-form normalisation.
+    # The reference reads the text as written: spoken-form normalisation is ours alone.
     options = GenerationOptions(
         temperature=0.0, eos_threshold=eos_threshold, chain_frames=0, normalize=False
     )
@@ -94,7 +94,9 @@ def eos_logits(loaded: LoadedModel, voice: Voice) -> list[float]:
         return out
 
     loaded.model.flow_lm.eos_logit = recording
-    options = GenerationOptions(temperature=0.0, eos_threshold=NO_EOS, chain_frames=0)
+    options = GenerationOptions(
+        temperature=0.0, eos_threshold=NO_EOS, chain_frames=0, normalize=False
+    )
     list(generate_latents(loaded, voice, [TEXT], options))
     return logits
 

@@ -22,6 +22,8 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMTextFrame,
     MetricsFrame,
+    OutputAudioRawFrame,
+    StartFrame,
     TTSAudioRawFrame,
     TTSSpeakFrame,
     TTSStartedFrame,
@@ -30,19 +32,30 @@ from pipecat.frames.frames import (
     TTSUpdateSettingsFrame,
 )
 from pipecat.metrics.metrics import TTFBMetricsData, TTSUsageMetricsData
+from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMAssistantAggregator
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TextAggregationMode
 from pipecat.tests.utils import SleepFrame, run_test
+from pipecat.transports.base_output import BaseOutputTransport
+from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.errors import ErrorCategory
 
-from intone.engine import Engine
-from intone.provider import shared
+from intone.engine import Engine, EngineConfig
+from intone.provider import registry
+from intone.provider.backends import engine_options
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
 
-FAST = IntoneTTSService.Settings(eos_threshold=1e9, max_frames=8)
+FAST_FIELDS = {"eos_threshold": 1e9, "max_frames": 8}
+FAST = IntoneTTSService.Settings(**FAST_FIELDS)
 CLAUSE_SECONDS = 8 * 0.08  # 8 Mimi frames at 12.5 Hz
+# A turn that keeps its batch slot for a while: a clause of up to 32 s, generated at playback
+# pace. (A turn waiting for text holds no slot: only one generating does.)
+LONG_FIELDS = {"eos_threshold": 1e9, "max_frames": 400}
 METRICS = PipelineParams(enable_metrics=True, enable_usage_metrics=True)
 
 
@@ -65,8 +78,10 @@ def metrics_of(frames: list[Frame], kind: type) -> list:
 
 def idle(engine: Engine, pages_at_idle: int) -> bool:
     m = engine.metrics()
+    # streams_open too: a turn parked waiting for text holds no batch slot.
     return (
-        m["active_requests"] == 0
+        m["streams_open"] == 0
+        and m["active_requests"] == 0
         and m["queued_requests"] == 0
         and m["kv_pages_in_use"] == pages_at_idle
     )
@@ -80,9 +95,9 @@ def batched_steps(engine: Engine) -> int:
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint: Path):
     """The process's shared engine of the tiny checkpoint, pinned for the module."""
-    engine = shared.prewarm(tiny_checkpoint)
+    engine = registry.prewarm(tiny_checkpoint)
     yield engine
-    shared.shutdown()
+    registry.shutdown()
 
 
 @pytest.fixture
@@ -280,6 +295,9 @@ async def test_remote_mode(engine: Engine, server_url: str, pages_at_idle: int):
         pipeline_params=PipelineParams(audio_out_sample_rate=16000, enable_metrics=True),
     )
     assert not [f for f in up if isinstance(f, ErrorFrame)]
+    # Word timestamps in remote mode too: the protocol's clause_done carries the times.
+    words = [f.text.strip() for f in down if isinstance(f, TTSTextFrame)]
+    assert words == f"Hello from the server. {text}".split()
     assert engine.metrics()["requests_completed"] == completed + 2
     assert {f.sample_rate for f in audio(down)} == {16000}
     kinds = [type(f) for f in down]
@@ -314,3 +332,145 @@ async def test_example_bot_over_a_websocket(engine: Engine, tiny_checkpoint: Pat
         while engine.metrics()["requests_cancelled"] == cancelled:
             assert time.monotonic() < deadline, "the barge-in did not cancel the engine request"
             await asyncio.sleep(0.01)
+
+
+# ---- word timing after a barge-in, with a transport that plays in real time
+
+
+class RealtimeOutput(BaseOutputTransport):
+    """An output transport whose device plays each chunk in real time and counts what played."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            TransportParams(
+                audio_out_enabled=True, audio_out_sample_rate=24000, audio_out_end_silence_secs=0
+            )
+        )
+        self.played = 0.0  # seconds of audio written
+        self.heard = 0.0  # seconds played when the interruption came
+        self._started_at: float | None = None
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+
+    async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
+        # A device's clock: it plays from the first chunk on, each chunk ending at the start plus
+        # all the audio so far (no drift from late wake-ups of this loop).
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+        self.played += len(frame.audio) / 2 / frame.sample_rate
+        await asyncio.sleep(self._started_at + self.played - time.monotonic())
+        return True
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        if isinstance(frame, InterruptionFrame) and self._started_at is not None:
+            # What the listener heard: the chunk under way was cut at this moment.
+            self.heard = min(self.played, time.monotonic() - self._started_at)
+        await super().process_frame(frame, direction)
+
+
+class WordRecorder(FrameProcessor):
+    """Passes every frame on, keeping the word frames the TTS sent (with their timestamps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words: list[TTSTextFrame] = []
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, TTSTextFrame):
+            self.words.append(frame)
+        await self.push_frame(frame, direction)
+
+
+async def test_barge_in_context_holds_the_words_played(engine: Engine, tiny_checkpoint: Path):
+    """The assistant aggregator after the transport gets the words as the transport releases
+    them by their timestamps: after an interruption it holds the words played (within one
+    word), not the whole text the LLM sent."""
+    context = LLMContext()
+    recorder = WordRecorder()
+    output = RealtimeOutput()
+    reply = " ".join(["Here is a long answer with quite a few words in it, clause by clause."] * 3)
+    # At half speed the audio lasts twice as long as it takes to make, so the device never runs
+    # dry on a busy machine: Pipecat releases words by the clock, which an underrun would outrun.
+    tts = service(tiny_checkpoint, settings=IntoneTTSService.Settings(speed=0.5, **FAST_FIELDS))
+    await run_test(
+        Pipeline([tts, recorder, output, LLMAssistantAggregator(context)]),
+        frames_to_send=[
+            LLMFullResponseStartFrame(),
+            *tokens(reply),
+            LLMFullResponseEndFrame(),
+            SleepFrame(1.6),
+            InterruptionFrame(),
+            SleepFrame(0.3),
+        ],
+    )
+    words = reply.split()
+    timed = recorder.words
+    assert [f.text.strip() for f in timed] == words[: len(timed)]
+    starts = [(f.pts - timed[0].pts) / 1e9 for f in timed]
+    heard = sum(1 for start in starts if start < output.heard)
+    assert 3 < heard < len(words), f"heard {output.heard:.2f} s"  # interrupted mid-reply
+    messages = [m for m in context.get_messages() if m.get("role") == "assistant"]
+    assert messages, "no assistant message after the interruption"
+    said = str(messages[-1]["content"]).split()
+    assert said == words[: len(said)]  # the LLM's words, in order, from the start
+    assert abs(len(said) - heard) <= 1, f"{said=}: {heard} words began in {output.heard:.2f} s"
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
+    """A full engine is retried with backoff while the turn has no audio: when room comes the
+    turn speaks; when it never does, the error is RATE_LIMIT, which Pipecat does not treat as
+    permanent."""
+    engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
+    try:
+        holder = engine.stream(None, engine_options(engine, LONG_FIELDS))
+        holder.push_text("This open turn takes the one batch slot, and then it waits")
+        await wait_for(lambda: engine.metrics()["active_requests"] == 1)
+        waiting = engine.stream()  # with text, it takes the queue's one place
+        waiting.push_text("Hello there.")
+        waiting.flush()
+
+        async def make_room() -> None:
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            holder.cancel()
+
+        room = asyncio.create_task(make_room())
+        down, up = await run_test(
+            IntoneTTSService(engine=engine, settings=FAST),
+            frames_to_send=[TTSSpeakFrame("Spoken once there is room.")],
+        )
+        await room
+        assert not [f for f in up if isinstance(f, ErrorFrame)]
+        assert seconds(down) == pytest.approx(CLAUSE_SECONDS, abs=0.01)
+
+        await wait_for(lambda: engine.metrics()["active_requests"] == 0)
+        full = [engine.stream(None, engine_options(engine, LONG_FIELDS))]
+        # One long first clause: a stream's next clause queues again, behind the others' first.
+        full[0].push_text("A long clause that keeps the slot for good, then waiting for more text")
+        await wait_for(lambda: engine.metrics()["active_requests"] == 1)
+        full.append(engine.stream())  # and the queue
+        full[1].push_text("Hello there.")
+        full[1].flush()
+        down, up = await run_test(
+            IntoneTTSService(engine=engine, settings=FAST),
+            frames_to_send=[TTSSpeakFrame("No room at all."), SleepFrame(2.0)],
+        )
+        errors = [f for f in up if isinstance(f, ErrorFrame)]
+        # Ours, then Pipecat's own report of a context that ended without audio.
+        assert errors and errors[0].category == ErrorCategory.RATE_LIMIT, [e.error for e in errors]
+        assert not errors[0].category.is_permanent
+        assert not audio(down)
+        for stream in full:
+            stream.cancel()
+    finally:
+        engine.close()

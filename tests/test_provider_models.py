@@ -18,7 +18,7 @@ from test_server_support import make_engine
 
 from intone.engine import UnknownModelError, releases
 from intone.engine.checkpoint import make_checkpoint
-from intone.provider import shared
+from intone.provider import registry
 from intone.provider.pipecat import IntoneTTSService
 from intone.provider.server import create_app
 
@@ -83,10 +83,10 @@ async def test_livekit_model_change_moves_later_turns_in_process(
         assert first_engine is not second_engine
         assert second_engine.loaded.source == str(small_checkpoint / "config.yaml")
         assert first.duration > 0 and second.duration > 0
-        assert shared.users(small_checkpoint) == 1
+        assert registry.users(small_checkpoint) == 1
     finally:
         await tts.aclose()
-    assert shared.users(small_checkpoint) == 0 and shared.users(tiny_checkpoint) == 0
+    assert registry.users(small_checkpoint) == 0 and registry.users(tiny_checkpoint) == 0
 
 
 async def test_livekit_remote_model_and_unserved_language(

@@ -158,6 +158,8 @@ async def test_openai_voice_forms_and_sample_rate(oai, server):
         ({"model": "m", "voice": "alloy", "input": "hi", "stream_format": "ws"}, 400,
          "bad_format"),
         ({"model": "m", "voice": "alloy", "input": "hi", "speed": 9}, 400, "bad_options"),
+        ({"model": "m", "voice": "alloy", "input": "hi", "speed": 0.25}, 400, "bad_options"),
+        ({"model": "m", "voice": "alloy", "input": "hi", "normalize": "no"}, 400, "bad_options"),
         ({"model": "m", "voice": "alloy", "input": "hi", "sample_rate": 1}, 400,
          "bad_sample_rate"),
         ({"model": "m", "voice": "alloy", "input": "x" * 20_001}, 400, "text_too_long"),
@@ -170,6 +172,17 @@ async def test_openai_bad_requests(server, body, status, code):
     error = response.json()["error"]
     assert error["code"] == code and error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+async def test_openai_speed_time_scales_the_audio(oai):
+    lengths = {}
+    for speed in (1.0, 2.0):
+        response = await oai.audio.speech.create(
+            model="m", voice="alloy", input=TEXT, response_format="pcm", speed=speed,
+            extra_body={"normalize": False},
+        )  # fmt: skip
+        lengths[speed] = len(response.content)
+    assert lengths[2.0] / lengths[1.0] == pytest.approx(0.5, rel=0.05)
 
 
 async def test_openai_client_raises_bad_request(oai):

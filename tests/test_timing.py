@@ -57,12 +57,12 @@ async def test_clause_positions_are_exact_and_words_are_the_callers(engine: Engi
     assert len(done) >= 2
     for event in done:
         assert event.start_sample == starts[event.clause]
-        assert event.samples == lengths[event.clause]
+        assert event.sample_count == lengths[event.clause]
     # Every word the caller sent, as sent ("$12.50" is one word), once, in order.
     assert [w.word for event in done for w in event.words] == TEXT.split()
     rate = engine.sample_rate
     for event in done:
-        begin, end = event.start_sample / rate, (event.start_sample + event.samples) / rate
+        begin, end = event.start_sample / rate, (event.start_sample + event.sample_count) / rate
         times = [t for w in event.words for t in (w.start, w.end)]
         assert times == sorted(times)
         assert begin == pytest.approx(times[0]) and times[-1] <= end + 1e-9
@@ -73,7 +73,9 @@ async def test_speed_scales_audio_and_timing(engine: Engine) -> None:
     fast = await run(engine, TEXT, speed=2.0)
     assert audio_samples(fast) / audio_samples(normal) == pytest.approx(0.5, rel=0.03)
     # Positions and word times are in the time-scaled audio the caller gets.
-    assert sum(e.samples for e in done_events(fast)) == pytest.approx(audio_samples(fast), rel=0.01)
+    assert sum(e.sample_count for e in done_events(fast)) == pytest.approx(
+        audio_samples(fast), rel=0.01
+    )
     slow_words = [w for e in done_events(normal) for w in e.words]
     fast_words = [w for e in done_events(fast) for w in e.words]
     assert [w.word for w in fast_words] == [w.word for w in slow_words]

@@ -15,7 +15,7 @@ from typing import Any
 from livekit.agents import Plugin
 
 from intone.engine import Engine, EngineConfig
-from intone.provider import shared
+from intone.provider import registry
 
 from .log import logger
 from .models import TTSModels, TTSVoices
@@ -30,7 +30,7 @@ def load_fnc() -> float:
     a worker whose engine is full (1.0) is sent no new jobs once past `load_threshold`. Use
     `AgentServer(load_fnc=intone.load_fnc)`; 0 while no engine is loaded.
     """
-    return shared.load()
+    return registry.load()
 
 
 def prewarm(model: str | None = None, **engine_config: Any) -> Engine:
@@ -40,7 +40,7 @@ def prewarm(model: str | None = None, **engine_config: Any) -> Engine:
     arguments are `intone.engine.EngineConfig` fields. The engine is kept for the life of the
     process; it is returned.
     """
-    return shared.prewarm(model, config=EngineConfig(**engine_config) if engine_config else None)
+    return registry.prewarm(model, config=EngineConfig(**engine_config) if engine_config else None)
 
 
 __all__ = [

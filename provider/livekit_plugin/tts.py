@@ -1,7 +1,7 @@
 """intone TTS for LiveKit Agents: the batched Pocket TTS engine, in-process or remote.
 
 In-process (the default), every `TTS` instance of a worker process takes a lease on one shared
-engine per model (`intone.provider.shared`), so the sessions of all jobs in that process batch
+engine per model (`intone.provider.registry`), so the sessions of all jobs in that process batch
 together. That needs the jobs in one process: run the worker with
 `job_executor_type=JobExecutorType.THREAD`. With the default process-per-job executor, each job
 would load its own engine; run `intone serve` once and use `TTS(base_url=...)` instead.
@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+from livekit import rtc
 from livekit.agents import (
     APIConnectionError,
     APIConnectOptions,
@@ -47,13 +49,14 @@ from intone.engine import (
     Engine,
     EngineClosedError,
     EngineConfig,
-    EngineError,
-    EngineFullError,
     LoadedModel,
     ModelUnavailableError,
 )
+from intone.engine.audio import to_pcm16
 from intone.engine.options import option_names
-from intone.provider import shared
+from intone.provider import backends, registry
+from intone.provider.errors import Kind, error_kind
+from intone.provider.server.pcm import StreamResampler
 
 from .log import logger
 from .models import TTSModels, TTSVoices
@@ -153,10 +156,10 @@ class TTS(tts.TTS):
             raise ValueError("an engine of yours speaks its own model: no model= or language=")
         self._base_url = base_url
         self._own_engine = engine
-        self._backends = shared.Backends(base_url=base_url, engine=engine, config=engine_config)
+        self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
         self._opts = _TTSOptions(
             voice=voice,
-            model=shared.pick_model(model, _language(language)),
+            model=registry.pick_model(model, _language(language)),
             temperature=temperature,
             eos_threshold=eos_threshold,
             frames_after_eos=frames_after_eos,
@@ -226,7 +229,7 @@ class TTS(tts.TTS):
             self._opts = replace(self._opts, model=model)
         elif is_given(language) or is_given(model):
             lang = language if is_given(language) else None
-            self._opts = replace(self._opts, model=shared.pick_model(None, _language(lang)))
+            self._opts = replace(self._opts, model=registry.pick_model(None, _language(lang)))
         given = {
             "voice": voice,
             "temperature": temperature,
@@ -274,7 +277,7 @@ class TTS(tts.TTS):
     async def _prewarm(self) -> None:
         try:
             backend = await self._get_backend(self._opts.model)
-            if isinstance(backend, shared.RemoteBackend):
+            if isinstance(backend, backends.RemoteBackend):
                 await backend.connect()  # this event loop's connection, ready for the first turn
         except Exception as e:  # the first stream reports it as an APIError
             logger.warning("intone prewarm failed: %s", e)
@@ -300,7 +303,7 @@ class TTS(tts.TTS):
 
     # ---- backend
 
-    async def _get_backend(self, model: str | Path | LoadedModel | None) -> shared.SpeechBackend:
+    async def _get_backend(self, model: str | Path | LoadedModel | None) -> backends.SpeechBackend:
         if self._closed:
             raise APIConnectionError("intone TTS is closed", retryable=False)
         try:
@@ -342,7 +345,7 @@ class ChunkedStream(tts.ChunkedStream):
             await _pump(
                 speech,
                 output_emitter,
-                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                StreamResampler(speech.sample_rate, self._tts.sample_rate),
                 self._conn_options.timeout,
                 progress,
             )
@@ -398,7 +401,7 @@ class SynthesizeStream(tts.SynthesizeStream):
             await _pump(
                 speech,
                 output_emitter,
-                shared.Resampler(speech.sample_rate, self._tts.sample_rate),
+                StreamResampler(speech.sample_rate, self._tts.sample_rate),
                 self._conn_options.timeout,
                 progress,
             )
@@ -427,7 +430,9 @@ class SynthesizeStream(tts.SynthesizeStream):
                 return data
         return None
 
-    async def _feed(self, speech: shared.SpeechStream, progress: _Progress, has_text: bool) -> None:
+    async def _feed(
+        self, speech: backends.SpeechStream, progress: _Progress, has_text: bool
+    ) -> None:
         try:
             async for data in self._input_ch:
                 if isinstance(data, self._FlushSentinel):
@@ -455,7 +460,7 @@ class _Progress:
     clauses_done: int = 0
     feed_error: Exception | None = None
 
-    def owes_audio(self, speech: shared.SpeechStream) -> bool:
+    def owes_audio(self, speech: backends.SpeechStream) -> bool:
         """Whether the engine has text it has not finished speaking (what the timeout guards).
 
         Before the input ends, only clauses already submitted count: the LLM may be slow to
@@ -466,7 +471,7 @@ class _Progress:
         return speech.submitted_clauses > self.clauses_done
 
 
-async def _open_speech(tts: TTS, opts: _TTSOptions) -> shared.SpeechStream:
+async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
     """A stream of the model `opts` names, on that model's backend."""
     if tts._closed:
         raise APIConnectionError("intone TTS is closed", retryable=False)
@@ -481,13 +486,14 @@ async def _open_speech(tts: TTS, opts: _TTSOptions) -> shared.SpeechStream:
 
 
 async def _pump(
-    speech: shared.SpeechStream,
+    speech: backends.SpeechStream,
     output_emitter: tts.AudioEmitter,
-    resampler: shared.Resampler,
+    resampler: StreamResampler,
     timeout: float,
     progress: _Progress,
 ) -> None:
     """Move the engine's audio to the emitter as int16 PCM until the request ends."""
+    framer = _Framer(resampler.out_rate)
     events = speech.__aiter__()
     # The wait for the next event outlives a timeout that turns out to be harmless: cancelling
     # it would close a remote stream's async generator.
@@ -507,9 +513,9 @@ async def _pump(
             except StopAsyncIteration:
                 break
             if isinstance(event, AudioChunk):
-                samples = resampler.push(event.samples)
-                if samples.size:
-                    output_emitter.push(shared.to_pcm16(samples))
+                frame = framer.push(resampler.process(event.samples))
+                if frame is not None:
+                    output_emitter.push_frame(frame)
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
                 # The clause's words, as the agent sent them, with their times in the segment:
@@ -523,9 +529,48 @@ async def _pump(
     finally:
         if pending is not None:
             pending.cancel()
-    tail = resampler.flush()
-    if tail.size:
-        output_emitter.push(shared.to_pcm16(tail))
+    frame = framer.finish(resampler.finish())
+    if frame is not None:
+        output_emitter.push_frame(frame)
+
+
+class _Framer:
+    """Engine audio into frames for the emitter, none shorter than `MIN_FRAME_S` except the final.
+
+    The emitter keeps the last 10 ms of what it is given to mark the segment's end, and re-cuts
+    pushed bytes into 10, 40, 80, 160 ms frames first. Frames given whole, with `HOLD_S` held back
+    so that the end of the segment always has enough audio to close on, keep every non-final
+    frame in LiveKit's 50-250 ms, at the cost of the first frame waiting for 2 * 50 ms of audio.
+    """
+
+    MIN_FRAME_S = 0.05
+    HOLD_S = 0.05
+
+    def __init__(self, sample_rate: int) -> None:
+        self.sample_rate = sample_rate
+        self._hold = round(self.HOLD_S * sample_rate)
+        self._min = round(self.MIN_FRAME_S * sample_rate) + self._hold
+        self._buffer = np.zeros(0, dtype=np.float32)
+
+    def push(self, samples: np.ndarray) -> rtc.AudioFrame | None:
+        self._buffer = np.concatenate([self._buffer, samples])
+        if len(self._buffer) < self._min:
+            return None
+        out, self._buffer = self._buffer[: -self._hold], self._buffer[-self._hold :]
+        return self._frame(out)
+
+    def finish(self, tail: np.ndarray) -> rtc.AudioFrame | None:
+        out = np.concatenate([self._buffer, tail])
+        self._buffer = np.zeros(0, dtype=np.float32)
+        return self._frame(out) if len(out) else None
+
+    def _frame(self, samples: np.ndarray) -> rtc.AudioFrame:
+        return rtc.AudioFrame(
+            data=to_pcm16(samples),
+            sample_rate=self.sample_rate,
+            num_channels=NUM_CHANNELS,
+            samples_per_channel=len(samples),
+        )
 
 
 def _note_request_id(request_id: str) -> None:
@@ -536,26 +581,24 @@ def _note_request_id(request_id: str) -> None:
 
 
 def _api_error(e: BaseException) -> APIError:
-    """The LiveKit error for an engine or client failure: decides retry and error reporting."""
+    """The LiveKit error for an engine or server failure, by its kind (the same in-process and
+    remote, `intone.provider.errors`): decides retry and error reporting."""
     if isinstance(e, APIError):
         return e
-    remote = shared.remote_error_status(e)
-    if remote is not None:
-        status, retryable = remote
-        if status is None:
-            return APIConnectionError(f"intone server: {e}", retryable=retryable)
-        return APIStatusError(str(e), status_code=status, retryable=retryable)
-    if isinstance(e, EngineFullError):
-        # Full for now: another attempt (or another worker) may have room.
-        return APIStatusError(str(e), status_code=503, retryable=True)
     if isinstance(e, ModelUnavailableError):
         return APIConnectionError(f"intone model unavailable: {e}", retryable=False)
     if isinstance(e, EngineClosedError):
         return APIConnectionError(f"intone engine closed: {e}", retryable=False)
-    if isinstance(e, ValueError):
+    kind = error_kind(e)
+    if kind is Kind.BUSY:
+        # Full for now: another attempt (or another worker) may have room.
+        return APIStatusError(f"intone is busy: {e}", status_code=503, retryable=True)
+    if kind in (Kind.BAD_REQUEST, Kind.BAD_INPUT):
         # Bad voice, options or text: the same request would fail again.
         return APIStatusError(str(e), status_code=400, retryable=False)
-    if isinstance(e, EngineError):
+    if kind is Kind.AUTH:
+        return APIStatusError(str(e), status_code=401, retryable=False)
+    if kind is Kind.SERVER:
         return APIStatusError(f"intone engine error: {e}", status_code=500, retryable=True)
     if isinstance(e, TimeoutError):
         return APITimeoutError(f"intone: {e}")

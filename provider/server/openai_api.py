@@ -15,7 +15,10 @@ TTS plugins) work unchanged with `base_url=http://HOST:PORT/v1`. What the fields
   length) or mp3 (the default, as OpenAI's). opus, aac and flac are refused with 400.
 * `stream_format`: "audio" (default, the bytes of `response_format`) or "sse" (events
   `speech.audio.delta` with base64 `audio`, then `speech.audio.done` with `usage`).
-* `speed` (0.25-4.0) and `instructions` are accepted and ignored: the model has no such control.
+* `speed`: 0.5-2.0 (the engine's range, within OpenAI's 0.25-4.0; outside it a 400 names the
+  range), by time-scaling the audio with the pitch kept. `instructions` is accepted and ignored.
+* `normalize` (an intone extension, default true): read numbers, prices, dates, times, URLs...
+  as words (`normalize_text`); false sends the text to the model as written.
 * `sample_rate` (an intone extension, 8000-48000): resample the output; default 24000.
 
 The body must be `application/json` (a form or `text/plain` body, which a web page could send
@@ -41,9 +44,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from intone.engine import AudioChunk, EngineError
+from intone.engine import AudioChunk, EngineError, GenerationOptions, InvalidOptionError
 from intone.engine import Stream as EngineStream
 from intone.engine.errors import UnknownModelError
+from intone.engine.options import check_option
 from intone.provider.server import protocol
 from intone.provider.server.access import bearer
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
@@ -253,7 +257,12 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         "cache-control": "no-cache",
     }
     try:
-        engine_stream = engine.stream(voice, tenant=tenant)
+        options = GenerationOptions(
+            chain_frames=engine.config.default_chain_frames,
+            flow_steps=engine.config.flow_steps,
+            **request_.options,
+        )
+        engine_stream = engine.stream(voice, options, tenant=tenant)
         try:
             engine_stream.push_text(request_.text)
             engine_stream.end_input()
@@ -303,9 +312,10 @@ def _key_label(request: Request, runtime: Runtime) -> str | None:
 
 class _Request:
     def __init__(self, text: str, model: str | None, voice: str | None, fmt: str,
-                 stream_format: str, sample_rate: int):  # fmt: skip
+                 stream_format: str, sample_rate: int, options: dict[str, Any]):  # fmt: skip
         self.text, self.model, self.voice = text, model, voice
         self.format, self.stream_format, self.sample_rate = fmt, stream_format, sample_rate
+        self.options = options  # GenerationOptions fields the request set: speed, normalize
 
 
 def _parse(body: dict[str, Any]) -> _Request:
@@ -346,11 +356,12 @@ def _parse(body: dict[str, Any]) -> _Request:
             f"stream_format must be one of {STREAM_FORMATS}",
             "stream_format",
         )
-    speed = body.get("speed", 1.0)
-    if speed is not None and (
-        isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.25 <= speed <= 4.0
-    ):
-        raise ApiError(400, ErrorCode.BAD_OPTIONS, "'speed' must be 0.25 to 4.0", "speed")
+    options = {name: body[name] for name in ("speed", "normalize") if body.get(name) is not None}
+    for name, value in options.items():
+        try:
+            check_option(name, value)
+        except InvalidOptionError as e:
+            raise ApiError(400, ErrorCode.BAD_OPTIONS, str(e), name) from None
     rate = body.get("sample_rate", OPENAI_SAMPLE_RATE)
     if (
         isinstance(rate, bool)
@@ -378,7 +389,7 @@ def _parse(body: dict[str, Any]) -> _Request:
             )
         except ProtocolError as e:
             raise ApiError(400, e.code, e.message, "voice") from None
-    return _Request(text, model, voice or None, fmt, stream_format, rate)
+    return _Request(text, model, voice or None, fmt, stream_format, rate, options)
 
 
 async def _generate(
