@@ -583,10 +583,15 @@ class Engine:
         """Seconds of the request's audio generated ahead of its playback."""
         return request.frames_generated * self._frame_seconds - request.playback.position(t)
 
+    def unread_seconds(self, request: Request) -> float:
+        """Seconds of the request's audio its consumer has not read: delivered and waiting, or
+        still in the decoder (counting only delivered audio lets a decoder backlog overshoot)."""
+        return request.frames_generated * self._frame_seconds - request.read_seconds
+
     def _held(self, request: Request, t: float) -> bool:
         """Pacing holds the request: far ahead of playback, or too much audio unread."""
         limit = self.config.max_unread_s
-        if limit is not None and request.unread_seconds > limit:
+        if limit is not None and self.unread_seconds(request) > limit:
             return True
         lead_s = self.config.lead_s
         return lead_s is not None and self._lead(request, t) > lead_s

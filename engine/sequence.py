@@ -88,8 +88,9 @@ class Request:
     cancelled: bool = False
     last_text_at: float = field(default_factory=lambda: now())  # for the idle timeout
     tenant: str | None = None
-    # Seconds of audio handed to the stream and not read yet (the caller's loop writes it).
-    unread_seconds: float = 0.0
+    # Seconds of audio the stream's consumer has read (only the caller's loop writes it, so the
+    # AR thread can compare it with the audio generated without a lock).
+    read_seconds: float = 0.0
     playback: Playback = field(default_factory=Playback)
     # A failure pinned on this request by a stage that cannot end it itself (the decoder);
     # the AR thread ends the request with it.

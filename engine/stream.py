@@ -87,8 +87,13 @@ class Stream:
         while not self._events.empty():
             self._events.get_nowait()
         self._ready.clear()
-        self.request.unread_seconds = 0.0
         self._events.put_nowait(None)
+
+    @property
+    def unread_seconds(self) -> float:
+        """Seconds of this stream's audio generated and not read yet (`EngineConfig.max_unread_s`
+        bounds it)."""
+        return self._engine.unread_seconds(self.request)
 
     def report_playback(self, seconds: float) -> None:
         """How many seconds of this stream's audio the listener has played.
@@ -126,8 +131,6 @@ class Stream:
         if not self._closed:
             if event is None or isinstance(event, Exception):
                 self._closed = True
-            elif isinstance(event, AudioChunk):
-                self.request.unread_seconds += len(event.samples) / self._engine.sample_rate
             self._events.put_nowait(event)
 
     def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
@@ -148,7 +151,7 @@ class Stream:
                 self._ended = True
                 raise event
             elif isinstance(event, AudioChunk):
-                self.request.unread_seconds -= len(event.samples) / self._engine.sample_rate
+                self.request.read_seconds += len(event.samples) / self._engine.sample_rate
                 chunk = self._timeline.audio(event)
                 if chunk is not None:
                     self._ready.append(chunk)

@@ -163,10 +163,11 @@ async def test_unread_audio_is_bounded_and_resumes(make_engine, reference: Refer
     seen = []
     for _ in range(20):  # 1 s of not reading
         await asyncio.sleep(0.05)
-        seen.append(stream.request.unread_seconds)
+        seen.append(stream.unread_seconds)
     frame_s = 1920 / 24000
-    in_flight = 8 * frame_s  # latents already sent to the decoder when the bound was hit
-    assert max(seen) <= 0.5 + in_flight, seen
+    # The bound counts audio still in the decoder too, so it overshoots by at most the one
+    # frame of the AR step that crossed it.
+    assert max(seen) <= 0.5 + frame_s + 1e-9, seen
     assert not stream.request.cancelled and engine.metrics()["streams_open"] == 1
     generated = stream.request.frames_generated
     await asyncio.sleep(0.2)
