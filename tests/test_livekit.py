@@ -46,8 +46,6 @@ FRAME_SECONDS = 0.08  # one Mimi frame at 12.5 Hz
 # A turn that keeps its batch slot for a while: a clause of up to 32 s, generated at playback
 # pace. (A turn waiting for text holds no slot: only one generating does.)
 LONG = {"eos_threshold": 1e9, "max_frames": 400}
-# How far LiveKit's transcript synchronizer may trail the audio on a busy 2-core machine.
-LAG_SECONDS = 0.4
 
 
 # ---- framework pieces: a fake LLM and a real-time audio sink
@@ -591,7 +589,9 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     whose timed start precedes the played position, from the plugin's word times (LiveKit's
     syllable-rate estimate, which it uses without them, gives other words)."""
     assert intone.TTS(model=tiny_checkpoint).capabilities.aligned_transcript
-    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    # Clauses of 3.2 s for about a dozen words: a speaking rate like speech's, so that every
+    # word lasts long enough to tell whether it had begun.
+    tts = intone.TTS(model=tiny_checkpoint, eos_threshold=1e9, max_frames=40)
     reply = " ".join(
         ["Here is a long answer with quite a few words in it, spoken clause by clause."] * 4
     )
@@ -607,14 +607,16 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
 
     handle = session.generate_reply(user_input="Talk to me.")
     await wait_until(lambda: audio.first_frame_at is not None)
+    arrived: list[float] = []  # when the first clause's timed words reached the output
 
     def timed_ahead() -> bool:
-        # Interrupt past the first clause, once the words being played have been timed (a
-        # clause's words are known when the engine finishes it; on a busy CPU the tiny model
-        # is barely faster than real time).
+        # A clause's words are timed when the engine finishes it, up to `lead_s` ahead of
+        # playback: interrupt once the synchronizer has had the words being played for a while.
         played = time.monotonic() - audio.first_frame_at
+        if audio.timed and not arrived:
+            arrived.append(played)
         known = max((w.start_time for w in audio.timed), default=0.0)
-        return played > 1.2 and known > played + 0.6
+        return bool(arrived) and played > arrived[0] + 0.6 and known > played + 0.6
 
     await wait_until(timed_ahead, timeout=10.0)
     await session.interrupt()
@@ -626,18 +628,13 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
 
     messages = [m for m in session.history.items if getattr(m, "role", None) == "assistant"]
     said = messages[-1].text_content.split()
-    assert audio.timed, "no timed words reached the output"
-    timed = [(w.strip(), w.start_time, w.end_time) for w in audio.timed if w.strip()]
-    assert [w for w, _, _ in timed] == reply.split()[: len(timed)]  # the agent's own words
-    started = [w for w, start, _ in timed if start < position]
+    timed = [(w.strip(), w.start_time) for w in audio.timed if w.strip()]
+    assert [w for w, _ in timed] == reply.split()[: len(timed)]  # the agent's own words
+    started = [w for w, start in timed if start < position]
     assert 3 < len(started) < len(reply.split())  # the barge-in cut the reply
-    # Never a word that had not begun when the audio stopped: the message is a prefix of the
-    # words begun before the played position...
-    assert said == started[: len(said)], f"{said=} {started=} {position=}"
-    # ...that holds every word finished by then, less what LiveKit's synchronizer has not yet
-    # released: it paces words on the event loop, which the engine's threads slow down here.
-    ended = [w for w, _, end in timed if end <= position - LAG_SECONDS]
-    assert len(said) >= len(ended), f"{said=} {started=} {position=}"
+    # LiveKit's synchronizer commits a word once its paced length has passed, so the word in
+    # progress at the barge-in may be missing; every word before it is there, none after.
+    assert said in (started, started[:-1]), f"{said=} {started=} {position=}"
     await session.aclose()
     await tts.aclose()
 
