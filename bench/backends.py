@@ -14,6 +14,7 @@ ask), `server_cpu_seconds()` (network modes), `await stop()`.
                batching, so the difference from `batched` is the batching alone.
 - batched:     the engine (`Engine`), default EngineConfig.
 - batched-fast: the engine with `common.fast_engine_options()` (bf16 where the engine offers it).
+- batched-float32: the engine in float32 throughout (`EngineConfig.dtype="float32"`).
 - reference:   `pocket-tts serve` (the reference package's FastAPI server) on the same checkpoint
                over HTTP streaming, one keep-alive connection per client.
 - ws:          intone's WebSocket server (`intone serve`) through `intone.provider.client`.
@@ -406,7 +407,7 @@ def make_backend(
         return SequentialBackend(model, voice_wav, device)
     if mode == "interleaved":
         return InterleavedBackend(model, voice_wav, device)
-    if mode in ("batched", "batched-fast", "batched-paced"):
+    if mode in ("batched", "batched-fast", "batched-paced", "batched-float32"):
         return EngineBackend(model, voice_wav, device, engine_options)
     if mode == "reference":
         return ReferenceBackend(model, voice_wav, workdir)

@@ -11,6 +11,8 @@ MODE_ORDER = (
     "interleaved",
     "batched",
     "batched-fast",
+    "batched-float32",
+    "batched-paced",
     "reference",
     "ws",
     "ws-ray",

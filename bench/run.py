@@ -53,8 +53,9 @@ from common import (  # noqa: E402
 )
 
 MODES = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws", "ws-ray")
-# Also runnable (--modes): the engine with its playback pacing on (EngineConfig.lead_s=2.0).
-EXTRA_MODES = ("batched-paced",)
+# Also runnable (--modes): the engine with its playback pacing on (EngineConfig.lead_s=2.0), and
+# the engine in float32 throughout (EngineConfig.dtype="float32", the default's fallback).
+EXTRA_MODES = ("batched-paced", "batched-float32")
 NETWORK_MODES = ("reference", "ws", "ws-ray")
 SLOW_MODES = ("sequential", "interleaved", "reference")
 FULL_REQUESTS = 16 * len(PROMPTS)
@@ -106,6 +107,10 @@ async def run_worker(spec: dict) -> list[dict]:
     workdir = Path(spec["workdir"])
     base, threads = split_mode(spec["mode"])
     engine_options = dict(spec["fast_options"]) if base == "batched-fast" else {}
+    if base == "batched-float32":
+        engine_options["dtype"] = "float32"
+    if spec.get("max_active"):
+        engine_options["max_active"] = spec["max_active"]
     if base != "batched-paced":
         # Generation as fast as the machine goes, as these modes have always measured: pacing
         # (the engine's default) would hold a fast reader's stream to real time.
@@ -242,6 +247,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="LO,HI",
         help="interrupt each turn at a random point between LO and HI seconds of playback",
     )
+    parser.add_argument(
+        "--max-active",
+        type=int,
+        default=None,
+        help="EngineConfig.max_active of the in-process engine modes (default: the engine's, 16);"
+        " a capacity sweep past 16 streams needs at least its concurrency",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -288,6 +300,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "out": str((workdir / "runs.json").resolve()),
         "paced_client": args.paced_client,
         "barge_in": args.barge_in,
+        "max_active": args.max_active,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
@@ -363,7 +376,8 @@ def acceptance(runs: list[dict]) -> dict:
     engines = [
         m
         for m in modes
-        if split_mode(m)[0] in ("batched", "batched-fast", "batched-paced", "ws", "ws-ray")
+        if split_mode(m)[0]
+        in ("batched", "batched-fast", "batched-paced", "batched-float32", "ws", "ws-ray")
     ]
     out: dict = {
         "targets": {"throughput_c8_vs_sequential": ">= 3", "ttfa_p50_c1_vs_sequential": "<= 1.1"},

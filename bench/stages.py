@@ -48,10 +48,15 @@ def _time(fn, repeats: int) -> float:
 def build(model_dir: str, device: str, max_rows: int, context: int, engine_options: dict):
     from intone.engine import Engine, EngineConfig
     from intone.engine.loading import load_model
+    from intone.engine.model_runner import GenerateInputs
     from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 
     # torch_threads=0: this script sets the thread count itself (no per-stage thread budget).
-    config = EngineConfig(device=device, **{"torch_threads": 0, **engine_options})
+    # max_active: the decoder state pool holds a row for every batch size asked for.
+    config = EngineConfig(
+        device=device,
+        **{"torch_threads": 0, "max_active": max(max_rows, 16), **engine_options},
+    )
     engine = Engine(load_model(model_dir, device=device), config)
     runner = engine.runner
     flow_lm = runner.flow_lm
@@ -63,9 +68,13 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         previous = torch.randn(rows, flow_lm.latent_dim, device=device)
         noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
 
+        inputs = GenerateInputs(
+            previous, positions, attention, noise, torch.full((rows,), 1e9, device=device), rows
+        )
+
         def call():
             with torch.no_grad():
-                runner._generate_step(previous, positions, attention, noise)
+                runner.generate_step(inputs)
                 if device != "cpu":
                     torch.cuda.synchronize()
 
