@@ -31,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 
 from intone.engine.block_manager import BlockManager
 from intone.engine.decoder_worker import (
@@ -516,6 +517,11 @@ class Engine:
 
     def prometheus(self) -> bytes:
         return self._metrics.prometheus()
+
+    @property
+    def prometheus_registry(self) -> CollectorRegistry:
+        """The registry behind `prometheus()`, for a server that exposes several engines."""
+        return self._metrics.registry
 
     def reset_rates(self) -> None:
         """Restart the batch means, step times and throughputs (e.g. after a warm-up)."""

@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 from test_server_support import TEST_SETTINGS, ServerThread, make_engine, recv_event, send
 
 from intone.engine import UnknownModelError
@@ -58,6 +59,34 @@ async def test_models_are_listed(served, tiny_checkpoint: Path, small_checkpoint
     assert "second-only" not in body["data"][0]["voices"]
     async with IntoneClient(server.ws_url) as client:
         assert [m["name"] for m in client.hello.models] == [first, second]
+
+
+async def test_health_stats_and_metrics_cover_every_model(
+    served, tiny_checkpoint: Path, small_checkpoint: Path
+) -> None:
+    """An operator sees each model's load, not only the default's: /metrics labels every engine
+    sample with its model (one family per name), /healthz and /stats list every model."""
+    server, engines = served
+    first, second = names(tiny_checkpoint, small_checkpoint)
+    async with IntoneClient(server.ws_url) as client:
+        stream = await client.stream(text=TEXT, end=True, model=second, options={"max_frames": 8})
+        assert len(b"".join([pcm async for pcm in stream])) > 0
+    async with httpx.AsyncClient() as http:
+        health = (await http.get(f"{server.url}/healthz")).json()
+        stats = (await http.get(f"{server.url}/stats")).json()
+        text = (await http.get(f"{server.url}/metrics")).text
+    assert [m["name"] for m in health["models"]] == [first, second]
+    assert all(m["status"] == "ok" and m["active_requests"] == 0 for m in health["models"])
+    assert set(stats["models"]) == {first, second}
+    assert stats["models"][second]["requests_completed"] >= 1
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    audio = {s.labels["model"]: s.value for s in families["intone_audio_seconds"].samples
+             if s.name == "intone_audio_seconds_total"}  # fmt: skip
+    assert set(audio) == {first, second}
+    assert audio[second] == engines[1].metrics()["audio_seconds"] > 0
+    pages = {s.labels["model"] for s in families["intone_kv_pages_in_use"].samples}
+    assert pages == {first, second}
+    assert text.count("# TYPE intone_kv_pages_in_use ") == 1  # one family, not one per engine
 
 
 async def test_websocket_start_picks_the_model(

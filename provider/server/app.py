@@ -227,10 +227,25 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
         "kv_pages_in_use": engine_metrics["kv_pages_in_use"],
         "connections": len(runtime.connections),
         "streams": len(runtime.streams),
+        # Every served model's load (the keys above are the default model's).
+        "models": [_model_load(served) for served in runtime.models if served.engine],
     }
     if failures:
         body["error"] = "; ".join(str(reason) for reason in failures)
     return JSONResponse(body, status_code=503 if runtime.draining or failures else 200)
+
+
+def _model_load(served: ServedModel) -> dict:
+    assert served.engine is not None
+    health, m = served.engine.health(), served.engine.metrics()
+    return {
+        "name": served.name,
+        "status": "ok" if health.ok else "unhealthy",
+        "active_requests": m["active_requests"],
+        "queued_requests": m["queued_requests"],
+        "streams_open": m["streams_open"],
+        "kv_pages_in_use": m["kv_pages_in_use"],
+    }
 
 
 async def stats(runtime: Runtime, request: Request) -> Response:
@@ -245,7 +260,8 @@ async def stats(runtime: Runtime, request: Request) -> Response:
     return JSONResponse(
         {
             "weights": engine.loaded.weights,
-            "engine": engine.metrics(),
+            "engine": engine.metrics(),  # the default model's
+            "models": {m.name: m.engine.metrics() for m in runtime.models if m.engine},
             "server": runtime.metrics.snapshot(),
         },
         headers={"cache-control": "no-cache"},
@@ -257,6 +273,4 @@ async def metrics(runtime: Runtime, request: Request) -> Response:
     refused = _key_refused(runtime, request)
     if refused is not None:
         return refused
-    engine = runtime.engine
-    body = (engine.prometheus() if engine is not None else b"") + runtime.metrics.prometheus()
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    return Response(runtime.prometheus(), media_type=CONTENT_TYPE_LATEST)

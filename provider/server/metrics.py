@@ -4,9 +4,33 @@ from __future__ import annotations
 
 import threading
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+
+class EnginesCollector:
+    """Every served model's engine metrics as one set of families, each sample labelled with its
+    model: the engines' registries hold the same metric names, which one exposition may not
+    repeat."""
+
+    def __init__(self, engines: Callable[[], list[tuple[str, CollectorRegistry]]]):
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for model, registry in self._engines():
+            for family in registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = out
+                out.samples.extend(
+                    sample._replace(labels={"model": model, **sample.labels})
+                    for sample in family.samples
+                )
+        return iter(merged.values())
 
 
 class ServerMetrics:

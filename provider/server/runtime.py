@@ -19,12 +19,14 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
+from prometheus_client import CollectorRegistry, generate_latest
+
 from intone.engine import Engine, releases
 from intone.engine.errors import UnknownModelError
 from intone.provider.server.access import Access
 from intone.provider.server.limits import Limits
 from intone.provider.server.logs import ClientErrorLog
-from intone.provider.server.metrics import ServerMetrics
+from intone.provider.server.metrics import EnginesCollector, ServerMetrics
 from intone.provider.server.protocol import echo
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
@@ -174,6 +176,8 @@ class Runtime:
         self.client_errors = ClientErrorLog()
         self._watchdog: asyncio.Task | None = None
         self.metrics = ServerMetrics(lambda: len(self.connections), lambda: len(self.streams))
+        self._engine_metrics = CollectorRegistry()
+        self._engine_metrics.register(EnginesCollector(self._engine_registries))
 
     # ---- engine
 
@@ -193,6 +197,16 @@ class Runtime:
         if self.voices is None:
             return []
         return [m.engine for m in self.models if m.engine is not None]
+
+    def _engine_registries(self) -> list[tuple[str, CollectorRegistry]]:
+        if self.voices is None:
+            return []
+        return [(m.name, m.engine.prometheus_registry) for m in self.models if m.engine]
+
+    def prometheus(self) -> bytes:
+        """Prometheus text: every served model's engine metrics (labelled `model`), then the
+        server's."""
+        return generate_latest(self._engine_metrics) + self.metrics.prometheus()
 
     def select(self, model: str | None) -> ServedModel:
         """The served model a request names (name or alias; None, "" or an OpenAI model name:
