@@ -1,12 +1,13 @@
 """Torch's intra-op threads follow whichever engine stage is busy.
 
-The AR stage and the decoder run on two Python threads, but torch has one process-wide intra-op
-thread count. Fixed at half the cores each, a stage that runs alone (the decoder catching up
-after the AR side finished its requests, or a prefill while nothing decodes) leaves half the
-machine idle; at all the cores each, two busy stages oversubscribe it (measured on 2 cores:
-148 vs 116 frames/s at batch 8, bench/results/cpu-2core/profile.md). So every stage call
-counts itself busy here, and the count is set to the cores divided among the busy stages:
-the slower stage, busy more often alone, gets the spare cores.
+The AR stage and the decoder run on two Python threads. Fixed at half the cores each, a stage
+that runs alone (the decoder catching up after the AR side finished its requests, or a prefill
+while nothing decodes) leaves half the machine idle; at all the cores each, two busy stages
+oversubscribe it (measured on 2 cores: 148 vs 116 frames/s at batch 8,
+bench/results/cpu-2core/profile.md). So every stage call counts itself busy here and, as it
+starts, sets its own thread's count (torch's count is per thread, OpenMP's) to the cores divided
+among the busy stages, all but one when it starts alone: the slower stage, busy more often
+alone, gets the spare cores. (On 2 cores that is one thread each, whatever the load.)
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class ThreadBudget:
             self.busy_stages += delta
             # Leaving, keep the count for the stages still busy (or for a lone next stage).
             threads = self.threads_for(self.busy_stages)
-            if threads != self.threads:
+            # Torch's count is per thread (OpenMP's): compare with this thread's own, not with
+            # what another stage's thread last set.
+            if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-                self.threads = threads
+            self.threads = threads

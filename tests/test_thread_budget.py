@@ -54,5 +54,7 @@ def test_stages_on_two_threads(restore_threads):
     looked.wait(timeout=10)
     for w in workers:
         w.join(timeout=10)
-    assert seen == [4, 4]
+    # The count is per thread, set when a call starts: the stage that started alone keeps all
+    # cores but one, the one that joined it gets half.
+    assert sorted(seen) == [4, 7]
     assert budget.busy_stages == 0
