@@ -5,8 +5,12 @@ in each request's order: a latent, the end of a clause, a park (the request give
 up until it has text again: its history is saved) and the end of the request. Before every
 decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
 goes into the very next call. A call decodes rows that have the same number of latents waiting
-(up to `max_frames_per_call` each, as after a burst), the group holding a stream's first frame
-first; rows are never held back to the smallest backlog.
+(up to `max_frames_per_call` each, as after a burst); rows are never held back to the smallest
+backlog. Which group goes first: the one holding a stream's first frame, then the one holding the
+stream closest to an underrun (the least delivered audio its listener has not played) while that
+stream has less than `URGENT_S` buffered, else the group with the most frames (the cheapest per
+frame). So a stream that just started, with no audio buffered, is not kept waiting behind
+streams seconds ahead.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -33,6 +37,9 @@ from intone.engine.model_runner import ModelRunner
 from intone.engine.sequence import Request, now
 
 logger = logging.getLogger(__name__)
+
+# A stream with less audio than this buffered ahead of its listener is decoded first.
+URGENT_S = 0.5
 
 
 @dataclass
@@ -157,21 +164,33 @@ class DecoderWorker:
 
     def _next_rows(self) -> list[list[LatentItem]]:
         """The rows of the next call: the requests with the same number of leading latents,
-        the group with a stream's first frame first, else the group with the most frames."""
+        the group with a stream's first frame first, then the group of the stream closest to
+        an underrun if it is near one, else the group with the most frames."""
         groups: dict[int, list[deque[Item]]] = {}
-        first: set[int] = set()
+        t = now()
+        urgency: dict[int, float] = {}  # count -> least audio buffered in that group
         for items in self._pending.values():
             count = self._leading_latents(items)
             if count:
                 groups.setdefault(count, []).append(items)
-                if items[0].request.frames_delivered == 0:
-                    first.add(count)
+                buffered = self._buffered(items, t)
+                urgency[count] = min(urgency.get(count, buffered), buffered)
         if not groups:
             return []
-        count = max(groups, key=lambda c: (c in first, c * len(groups[c])))
-        return [
-            [items.popleft() for _ in range(count)] for items in groups[count][: self.max_batch]
-        ]
+        urgent = min(urgency, key=urgency.__getitem__)
+        if urgency[urgent] < URGENT_S:
+            count = urgent
+            rows = sorted(groups[count], key=lambda items: self._buffered(items, t))
+        else:
+            count = max(groups, key=lambda c: c * len(groups[c]))
+            rows = groups[count]
+        return [[items.popleft() for _ in range(count)] for items in rows[: self.max_batch]]
+
+    @staticmethod
+    def _buffered(items: deque[Item], t: float) -> float:
+        """Seconds the request's listener has buffered; below zero before its first frame."""
+        request = items[0].request
+        return -1.0 if request.frames_delivered == 0 else request.playback.buffered(t)
 
     def _leading_latents(self, items: deque[Item]) -> int:
         count = 0

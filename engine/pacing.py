@@ -41,6 +41,12 @@ class Playback:
             self._position = seconds
             self._at = now
 
+    def buffered(self, now: float) -> float:
+        """Seconds of delivered audio the listener has not played yet: how far from an underrun."""
+        with self._lock:
+            self._advance(now)
+            return self.delivered - self._position
+
     def position(self, now: float) -> float:
         with self._lock:
             self._advance(now)

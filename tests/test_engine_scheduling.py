@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import test_engine
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine import (
     TEXTS,
@@ -33,6 +34,8 @@ from test_engine import (
 )
 
 from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
+from intone.engine.decoder_worker import DecoderWorker, LatentItem
+from intone.engine.metrics import EngineMetrics
 
 make_engine = test_engine.make_engine
 reference = test_engine.reference
@@ -276,6 +279,47 @@ async def test_a_new_streams_first_frame_is_decoded_next(make_engine) -> None:
     # The call that was already running when the latent arrived, or the next one.
     assert first_call <= n0 + 1, (n0, first_call, calls[n0 : first_call + 1])
     for stream in [*busy, new]:
+        stream.cancel()
+
+
+async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_engine) -> None:
+    """A stream with almost no audio buffered (just started) goes into the next decode call,
+    before a bigger backlog of streams seconds ahead of their listeners."""
+    engine = make_engine()
+    calls: list[tuple[list[int], int]] = []  # (slots, frames per row) of every decode call
+    decode = engine.runner.decode
+
+    def recorded(slots, latents):
+        calls.append((list(slots), latents.shape[1]))
+        return decode(slots, latents)
+
+    engine.runner.decode = recorded
+    ignore = lambda *args: None  # noqa: E731
+    worker = DecoderWorker(
+        engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
+        max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
+        on_fatal=ignore,
+    )  # fmt: skip
+    streams = [engine.stream(None, options(50 + i)) for i in range(5)]
+    *ahead, behind = [stream.request for stream in streams]
+    t = time.perf_counter()
+    for request, buffered in [*[(r, 2.0) for r in ahead], (behind, 0.05)]:
+        request.frames_delivered = 1  # past its first frame, which goes first anyway
+        request.playback.deliver(buffered, t)
+    latent = torch.zeros(engine.runner.flow_lm.latent_dim)
+    for request, backlog in [*[(r, 4) for r in ahead], (behind, 1)]:
+        for _ in range(backlog):
+            worker.put(LatentItem(request, latent, 0))
+    worker.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(calls) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        worker.stop()
+    # The stream behind (the only one with one latent waiting) alone first, then the others.
+    assert [(len(slots), frames) for slots, frames in calls[:2]] == [(1, 1), (len(ahead), 4)]
+    for stream in streams:
         stream.cancel()
 
 
