@@ -6,11 +6,11 @@ up until it has text again: its history is saved) and the end of the request. Be
 decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
 goes into the very next call. A call decodes rows that have the same number of latents waiting
 (up to `max_frames_per_call` each, as after a burst); rows are never held back to the smallest
-backlog. Which group goes first: the one holding a stream's first frame, then the one holding the
-stream closest to an underrun (the least delivered audio its listener has not played) while that
-stream has less than `URGENT_S` buffered, else the group with the most frames (the cheapest per
-frame). So a stream that just started, with no audio buffered, is not kept waiting behind
-streams seconds ahead.
+backlog. Which group goes first: the one holding a stream's first frame, then the one that brings
+the most frames to streams near an underrun (less than `URGENT_S` of delivered audio their
+listeners have not played), else the one with the most frames (the cheapest per frame). So a
+stream that just started is not kept waiting behind streams seconds ahead, and when every stream
+is behind (past capacity) calls stay as large as they can be.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -163,28 +163,27 @@ class DecoderWorker:
                 self._deliver(row, audio)
 
     def _next_rows(self) -> list[list[LatentItem]]:
-        """The rows of the next call: the requests with the same number of leading latents,
-        the group with a stream's first frame first, then the group of the stream closest to
-        an underrun if it is near one, else the group with the most frames."""
-        groups: dict[int, list[deque[Item]]] = {}
+        """The rows of the next call: the requests with the same number of leading latents.
+        The group holding a stream's first frame goes first; then the group that brings the
+        most frames to streams near an underrun; with none near one, the most frames."""
         t = now()
-        urgency: dict[int, float] = {}  # count -> least audio buffered in that group
+        groups: dict[int, list[tuple[float, deque[Item]]]] = {}  # count -> (buffered, items)
         for items in self._pending.values():
             count = self._leading_latents(items)
             if count:
-                groups.setdefault(count, []).append(items)
-                buffered = self._buffered(items, t)
-                urgency[count] = min(urgency.get(count, buffered), buffered)
+                groups.setdefault(count, []).append((self._buffered(items, t), items))
         if not groups:
             return []
-        urgent = min(urgency, key=urgency.__getitem__)
-        if urgency[urgent] < URGENT_S:
-            count = urgent
-            rows = sorted(groups[count], key=lambda items: self._buffered(items, t))
-        else:
-            count = max(groups, key=lambda c: c * len(groups[c]))
+
+        def priority(count: int) -> tuple[bool, int, int]:
             rows = groups[count]
-        return [[items.popleft() for _ in range(count)] for items in rows[: self.max_batch]]
+            first = any(buffered < 0 for buffered, _ in rows)
+            urgent = sum(1 for buffered, _ in rows if buffered < URGENT_S)
+            return first, count * urgent, count * len(rows)
+
+        count = max(groups, key=priority)
+        rows = sorted(groups[count], key=lambda row: row[0])[: self.max_batch]
+        return [[items.popleft() for _ in range(count)] for _, items in rows]
 
     @staticmethod
     def _buffered(items: deque[Item], t: float) -> float:
