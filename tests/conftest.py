@@ -17,6 +17,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small-model family's tiny variant (a second model beside `tiny_checkpoint`)."""
+    return make_checkpoint("tiny-small", tmp_path_factory.mktemp("small") / "small", seed=0)
+
+
+@pytest.fixture(scope="session")
 def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint("full", tmp_path_factory.mktemp("full"), seed=0)
 

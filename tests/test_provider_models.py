@@ -17,18 +17,12 @@ from test_pipecat import serving
 from test_server_support import make_engine
 
 from intone.engine import UnknownModelError, releases
-from intone.engine.checkpoint import make_checkpoint
 from intone.provider import registry
 from intone.provider.pipecat import IntoneTTSService
 from intone.provider.server import create_app
 
 FAST = dict(eos_threshold=1e9, max_frames=6)
 NO_RETRY = APIConnectOptions(max_retry=0)
-
-
-@pytest.fixture(scope="module")
-def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint("tiny-small", tmp_path_factory.mktemp("p") / "small", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,6 @@ TEXT = "Two models, one server."
 
 
 @pytest.fixture(scope="module")
-def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from intone.engine.checkpoint import make_checkpoint
-
-    return make_checkpoint("tiny-small", tmp_path_factory.mktemp("m") / "small", seed=0)
-
-
-@pytest.fixture(scope="module")
 def served(tiny_checkpoint: Path, small_checkpoint: Path):
     engines = [make_engine(tiny_checkpoint), make_engine(small_checkpoint)]
     # A voice only the second model has: voices are per model.
