@@ -23,7 +23,6 @@ class ThreadBudget:
     def __init__(self, cores: int):
         self.cores = max(1, cores)
         self.busy_stages = 0
-        self.threads = 0
         self._lock = threading.Lock()
 
     def threads_for(self, busy_stages: int) -> int:
@@ -48,4 +47,3 @@ class ThreadBudget:
             # what another stage's thread last set.
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
-            self.threads = threads
