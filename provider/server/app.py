@@ -228,7 +228,7 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
         "connections": len(runtime.connections),
         "streams": len(runtime.streams),
         # Every served model's load (the keys above are the default model's).
-        "models": [_model_load(served) for served in runtime.models if served.engine],
+        "models": [_model_load(served) for served in runtime.ready_models],
     }
     if failures:
         body["error"] = "; ".join(str(reason) for reason in failures)
@@ -261,7 +261,7 @@ async def stats(runtime: Runtime, request: Request) -> Response:
         {
             "weights": engine.loaded.weights,
             "engine": engine.metrics(),  # the default model's
-            "models": {m.name: m.engine.metrics() for m in runtime.models if m.engine},
+            "models": {m.name: m.engine.metrics() for m in runtime.ready_models if m.engine},
             "server": runtime.metrics.snapshot(),
         },
         headers={"cache-control": "no-cache"},

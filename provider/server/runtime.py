@@ -194,14 +194,17 @@ class Runtime:
     @property
     def engines(self) -> list[Engine]:
         """Every served model's engine once ready(), else none."""
+        return [m.engine for m in self.ready_models if m.engine is not None]
+
+    @property
+    def ready_models(self) -> list[ServedModel]:
+        """Every served model once ready() has built their engines, else none."""
         if self.voices is None:
             return []
-        return [m.engine for m in self.models if m.engine is not None]
+        return [m for m in self.models if m.engine is not None]
 
     def _engine_registries(self) -> list[tuple[str, CollectorRegistry]]:
-        if self.voices is None:
-            return []
-        return [(m.name, m.engine.prometheus_registry) for m in self.models if m.engine]
+        return [(m.name, m.engine.prometheus_registry) for m in self.ready_models if m.engine]
 
     def prometheus(self) -> bytes:
         """Prometheus text: every served model's engine metrics (labelled `model`), then the
