@@ -57,6 +57,7 @@ from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
+from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.precision import resolve_precision
 from intone.engine.scheduler import Scheduler
@@ -166,10 +167,13 @@ class Engine:
             torch.set_num_threads(threads)
         self.model = loaded.model
         precision = resolve_precision(config.dtype, config.device)
-        if precision.flow_lm != torch.float32:
-            # The loaded model may be shared with float32 users: cast a copy.
+        if precision.flow_lm != torch.float32 or precision.flow_lm_int8:
+            # The loaded model may be shared with float32 users: change a copy.
             self.model = copy.deepcopy(loaded.model)
-            self.model.flow_lm.transformer.to(precision.flow_lm)
+            flow_lm = self.model.flow_lm
+            flow_lm.transformer.to(precision.flow_lm)
+            if precision.flow_lm_int8:
+                flow_lm.transformer = int8_linears(flow_lm.transformer) or flow_lm.transformer
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes

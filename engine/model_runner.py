@@ -79,8 +79,7 @@ class ModelRunner:
         size = self.blocks.page_size
         src = slice(source * size, source * size + count)
         dst = slice(target * size, target * size + count)
-        self.pool.keys[:, dst] = self.pool.keys[:, src]
-        self.pool.values[:, dst] = self.pool.values[:, src]
+        self.pool.copy(src, dst)
 
     def write_voice(self, table: PageTable, voice: Voice) -> None:
         """Write a voice's prompt K/V into its freshly allocated pages."""

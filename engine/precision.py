@@ -5,17 +5,18 @@
 - "bfloat16": the FlowLM transformer and its KV cache in bf16, and on the CPU the Mimi decoder
   transformer's linear layers in int8.
 - "auto" (default): the fastest mix that holds the fast path's tolerance (docs/benchmarks.md) on
-  this device. On a CPU: the decoder transformer in int8 everywhere (fbgemm, ~1.8x its float32
-  GEMMs on AVX2), the FlowLM in bf16 only where the CPU has native bf16 arithmetic (AVX-512 BF16
-  or AMX; without it bf16 matmuls are emulated, ~8-10x slower than float32 measured on an AVX2
-  EPYC). Elsewhere: float32, as before.
+  this device. On a CPU: the linear layers of the FlowLM transformer and of the Mimi decoder
+  transformer in int8 (fbgemm, `models/pocket/int8.py`: 4x a float32 GEMM at decode-step row
+  counts on AVX2; the reference's `quantize=True` does the same to the FlowLM), activations,
+  attention, the KV cache, the flow head and the decoder's convolutions in float32. bf16 is not
+  used there: without AVX-512 BF16 or AMX it is emulated (~8-10x slower than float32, measured
+  on an AVX2 EPYC), and where it is native, int8 GEMMs still do twice the work per instruction.
+  Elsewhere: float32, as before.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -24,22 +25,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 @dataclass(frozen=True)
 class Precision:
-    flow_lm: torch.dtype  # the FlowLM transformer and the KV pool
+    flow_lm: torch.dtype  # the FlowLM transformer's activations and the KV pool
     decoder_int8: bool  # the Mimi decoder transformer's linear layers
-
-
-@functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU does bf16 arithmetic in hardware (Linux: /proc/cpuinfo flags)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+    flow_lm_int8: bool = False  # the FlowLM transformer's linear layers
 
 
 def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
@@ -52,4 +40,4 @@ def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
         return Precision(torch.bfloat16, decoder_int8=cpu)
     if not cpu:
         return Precision(torch.float32, decoder_int8=False)
-    return Precision(torch.bfloat16 if native_bf16() else torch.float32, decoder_int8=True)
+    return Precision(torch.float32, decoder_int8=True, flow_lm_int8=True)

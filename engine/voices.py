@@ -59,7 +59,7 @@ def _prefill_voice(model: PocketTTS, name: str, embeddings: torch.Tensor) -> Voi
     pool = flow_lm.new_kv_pool(length)
     positions, attention = plan_step(pool, [SequenceStep(torch.arange(length), length)])
     flow_lm.backbone(embeddings, positions, attention)
-    return Voice(name, pool.keys, pool.values)
+    return Voice(name, *pool.read(torch.arange(length)))
 
 
 def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:

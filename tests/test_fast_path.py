@@ -9,10 +9,11 @@ so the fast path has its own, against the float32 single-request path on the sam
 - relative RMS error of the waveform:           ||fast - fp32|| / ||fp32|| <= 5e-3
 - per-frame log-spectral distance (1920-sample frames, Hann window, dB): mean <= 0.5, max <= 1.5
 
-Measured on the generated checkpoints (random weights) against the fp32 single path, full size,
-temperature 0.3: the default on a CPU without native bf16 (int8 decoder transformer linears only)
-4.3e-5 relative RMS, <= 0.05 dB per frame (tiny ~1e-5); `dtype="bfloat16"` (bf16 FlowLM too)
-9.4e-5 and <= 0.08 dB (before the current attention path: ~2e-4 and <= 0.3 dB).
+Measured on the generated checkpoints (random weights) against the fp32 single path: the default
+on a CPU (int8 linear layers in the FlowLM and decoder transformers) 2.5e-4 relative RMS and
+0.10 dB mean / 0.20 dB worst frame at temperature 0.3, 5.6e-4 and 0.34 / 0.51 dB at 0 (full
+size); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both families); `dtype="bfloat16"` (bf16 FlowLM)
+9.4e-5 and <= 0.08 dB (full size, 0.3).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.models.pocket.int8 import Int8Linear
 from intone.engine.precision import resolve_precision
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
@@ -82,6 +84,8 @@ async def compare(
         precision = resolve_precision(engine.config.dtype, engine.config.device)
         assert precision != resolve_precision("float32", "cpu"), "nothing in reduced precision"
         assert engine.model.flow_lm.transformer.dtype == precision.flow_lm
+        int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
+        assert int8 == precision.flow_lm_int8
         assert engine.runner.decoder.int8 == precision.decoder_int8
         ours = await engine.synthesize(TEXT, options=dataclasses.replace(options))
     finally:
@@ -118,7 +122,9 @@ async def test_fast_path_within_tolerance_full(full_checkpoint: Path, config: st
 
 def test_float32_is_one_option_away():
     exact = resolve_precision("float32", "cpu")
-    assert exact.flow_lm == torch.float32 and not exact.decoder_int8
+    assert exact.flow_lm == torch.float32 and not exact.decoder_int8 and not exact.flow_lm_int8
+    assert resolve_precision("auto", "cpu").flow_lm_int8  # fbgemm's int8 GEMMs are CPU-only
+    assert not resolve_precision("auto", "cuda").flow_lm_int8
     assert EngineConfig().dtype == "auto"
     with pytest.raises(ValueError):
         EngineConfig(dtype="float16").validate()

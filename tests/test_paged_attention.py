@@ -326,7 +326,11 @@ class PaddedGatherAttention:
             self.mask = mask[None, None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        # Slot-major views [S, H, D] of the head-major pool, as the previous path read it.
+        keys, values = (
+            self.pool.keys[layer].transpose(0, 1),
+            self.pool.values[layer].transpose(0, 1),
+        )
         keys.index_copy_(0, self.write_slots, k)
         values.index_copy_(0, self.write_slots, v)
         groups = self.read_slots.shape[0]

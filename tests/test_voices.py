@@ -114,6 +114,7 @@ def test_voice_from_any_rate_and_format(
 @pytest.mark.parametrize("subtype", ["FLOAT", "PCM_24", "PCM_32", "DOUBLE"])
 def test_int16_voice_equals_same_samples_in_other_formats(
     tiny_model: LoadedModel,
+    tiny_checkpoint: Path,
     tiny_voice: Voice,
     default_samples: np.ndarray,
     tmp_path: Path,
@@ -121,9 +122,12 @@ def test_int16_voice_equals_same_samples_in_other_formats(
 ) -> None:
     path = write(tmp_path / "voice.wav", as_float(default_samples), 24000, subtype)
     voice = load_voice(tiny_model.model, "default", path)
-    assert voice.length == tiny_voice.length
-    torch.testing.assert_close(voice.keys, tiny_voice.keys, rtol=0, atol=1e-6)
-    torch.testing.assert_close(voice.values, tiny_voice.values, rtol=0, atol=1e-6)
+    # The int16 voice again, here: the session's fixture may have been prefilled under another
+    # torch thread count (an earlier test's), which moves float sums by ~1e-6.
+    expected = load_voice(tiny_model.model, "default", tiny_checkpoint / "voices" / "default.wav")
+    assert voice.length == tiny_voice.length == expected.length
+    torch.testing.assert_close(voice.keys, expected.keys, rtol=0, atol=1e-6)
+    torch.testing.assert_close(voice.values, expected.values, rtol=0, atol=1e-6)
 
 
 def test_stereo_voice_is_the_channel_mean(

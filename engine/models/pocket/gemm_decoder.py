@@ -19,16 +19,15 @@ Its streaming state has the same entries as `Mimi.init_decoder_state` with time-
 
 from __future__ import annotations
 
-import copy
 import logging
-import warnings
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
-from intone.engine.models.pocket.mimi import Mimi, ProjectedTransformer, SEANetResnetBlock
+from intone.engine.models.pocket.int8 import int8_linears
+from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
 
 logger = logging.getLogger(__name__)
 
@@ -214,46 +213,6 @@ class RingKV:
         return out.transpose(1, 2)
 
 
-class Int8Linear(nn.Module):
-    """A bias-free linear layer with int8 weights (per output channel) and dynamically quantized
-    int8 activations, through fbgemm: ~1.8x the float32 GEMM's speed on an AVX2 core."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        if linear.bias is not None:
-            raise ValueError("Int8Linear: linear layers with a bias are not supported")
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
-        zero = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            # torch marks its quantized tensor types deprecated; fbgemm's packed int8 GEMM is
-            # still the fast int8 matmul on x86 CPUs (`torch._int_mm` runs a slow reference loop).
-            warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
-        self.out_features = weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        # reduce_range: 7-bit activations, so fbgemm's AVX2 u8 x s8 products cannot saturate.
-        y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def int8_transformer(transformer: ProjectedTransformer) -> ProjectedTransformer | None:
-    """A copy whose linear layers run in int8, or None where this torch build can't."""
-    quantized = copy.deepcopy(transformer)
-    try:
-        for layer in quantized.transformer.layers:
-            attn = layer.self_attn
-            attn.in_proj, attn.out_proj = Int8Linear(attn.in_proj), Int8Linear(attn.out_proj)
-            layer.linear1, layer.linear2 = Int8Linear(layer.linear1), Int8Linear(layer.linear2)
-    except (RuntimeError, AttributeError, ValueError) as e:
-        logger.warning("int8 decoder transformer unavailable (%s); it runs in float32", e)
-        return None
-    return quantized
-
-
 class GemmDecoder:
     """The decoder of a float32 `Mimi`, computed as GEMMs; equal to `Mimi.decode` up to rounding.
 
@@ -280,7 +239,7 @@ class GemmDecoder:
         self.transformer = mimi.decoder_transformer
         self.int8 = False
         if int8:
-            quantized = int8_transformer(mimi.decoder_transformer)
+            quantized = int8_linears(mimi.decoder_transformer)
             if quantized is not None:
                 self.transformer, self.int8 = quantized, True
         self.layers: list = []

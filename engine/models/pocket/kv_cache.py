@@ -18,7 +18,14 @@ import torch
 
 
 class KVPool:
-    """Keys and values [layers, slots, kv_heads, head_dim]: the attention's key/value heads."""
+    """Keys and values of the attention's key/value heads, stored head-major:
+    [layers, kv_heads, slots, head_dim].
+
+    Head-major because a step reads its rows' context with one `index_select` per layer straight
+    into the [kv_heads, rows, length, head_dim] layout the batched matmuls take: measured on one
+    CPU core (16 rows x 150 positions, 16 heads of 64), 1.3 ms per gather, against 8.3 ms for
+    advanced indexing into a slot-major pool and 2.3 ms for a slot-major gather plus transpose.
+    `write`/`read` take and give the slot-major [layers, n, kv_heads, head_dim] of a voice."""
 
     def __init__(
         self,
@@ -29,27 +36,43 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        shape = (num_layers, num_slots, num_heads, head_dim)
+        shape = (num_layers, num_heads, num_slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_slots(self) -> int:
-        return self.keys.shape[1]
+        return self.keys.shape[2]
 
     @property
     def slot_bytes(self) -> int:
         """Memory one slot (one position, every layer, keys and values) takes."""
-        layers, _, heads, dim = self.keys.shape
+        layers, heads, _, dim = self.keys.shape
         return 2 * layers * heads * dim * self.keys.element_size()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys/values [layers, n, H, D] computed elsewhere (a voice state) at slots [n]."""
-        self.keys.index_copy_(1, slots, keys.to(self.keys))
-        self.values.index_copy_(1, slots, values.to(self.values))
+        self.keys.index_copy_(2, slots, keys.transpose(1, 2).to(self.keys))
+        self.values.index_copy_(2, slots, values.transpose(1, 2).to(self.values))
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys.index_select(1, slots), self.values.index_select(1, slots)
+        """Keys/values [layers, n, H, D] at slots [n]."""
+        keys = self.keys.index_select(2, slots).transpose(1, 2).contiguous()
+        return keys, self.values.index_select(2, slots).transpose(1, 2).contiguous()
+
+    def copy(self, source: slice, target: slice) -> None:
+        """Copy the slots `source` to `target` (a shared page's positions into a private one)."""
+        self.keys[:, :, target] = self.keys[:, :, source]
+        self.values[:, :, target] = self.values[:, :, source]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's new keys/values [n, H, D] at slots [n]."""
+        self.keys[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.values[layer].index_copy_(1, slots, v.transpose(0, 1))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys/values at slots [n], head-major: [H, n, D]."""
+        return self.keys[layer].index_select(1, slots), self.values[layer].index_select(1, slots)
 
 
 @dataclass
@@ -85,9 +108,8 @@ class DecodeAttention:
     """Attention for a step where every sequence adds one token (implements `KVCache`).
 
     read_slots [B, L]: each row's slots, padded (to its longest row, or a page multiple) with
-    slot 0, which `bias` hides. Each layer gathers the rows' keys and values once, straight into
-    the head-major [Hkv, B, L, D] layout the batched matmuls read (the previous path gathered
-    [B, L, H, D] and SDPA copied it again to transpose it).
+    slot 0, which `bias` hides. Each layer gathers the rows' keys and values once from the
+    head-major pool, straight into the [Hkv, B, L, D] layout the batched matmuls read.
     """
 
     pool: KVPool
@@ -96,15 +118,13 @@ class DecodeAttention:
     bias: torch.Tensor  # [1, B, 1, 1, L]: 0 where a row may see a key, -inf elsewhere
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
-        keys.index_copy_(0, self.write_slots, k)
-        values.index_copy_(0, self.write_slots, v)
+        self.pool.store(layer, self.write_slots, k, v)
         rows, heads, dim = q.shape
-        kv_heads = keys.shape[1]
+        kv_heads = k.shape[1]
         q = q.view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-        k_ctx = keys.transpose(0, 1)[:, self.read_slots]
-        v_ctx = values.transpose(0, 1)[:, self.read_slots]
-        out = _attend(q, k_ctx, v_ctx, self.bias)  # [Hkv, B, g, D]
+        k_ctx, v_ctx = self.pool.gather(layer, self.read_slots.view(-1))
+        context = (kv_heads, rows, self.read_slots.shape[1], dim)
+        out = _attend(q, k_ctx.view(context), v_ctx.view(context), self.bias)  # [Hkv, B, g, D]
         return out.transpose(0, 1).reshape(rows, heads, dim)
 
 
@@ -124,11 +144,9 @@ class VarlenAttention:
     biases: list[torch.Tensor]  # per sequence [n_i, L_i]: 0 where a query may see a key, -inf
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
-        keys.index_copy_(0, self.write_slots, k)
-        values.index_copy_(0, self.write_slots, v)
+        self.pool.store(layer, self.write_slots, k, v)
         _, heads, dim = q.shape
-        kv_heads = keys.shape[1]
+        kv_heads = k.shape[1]
         group = heads // kv_heads
         outputs = []
         for q_seq, slots, bias in zip(
@@ -138,9 +156,8 @@ class VarlenAttention:
             # [n, H, D] -> [Hkv, 1, g * n, D]: a group's queries side by side against its KV head.
             q_seq = q_seq.view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
             q_seq = q_seq.reshape(kv_heads, 1, group * n, dim)
-            k_ctx = keys.index_select(0, slots).transpose(0, 1)[:, None]
-            v_ctx = values.index_select(0, slots).transpose(0, 1)[:, None]
-            out = _attend(q_seq, k_ctx, v_ctx, bias)  # [Hkv, 1, g * n, D]
+            k_ctx, v_ctx = self.pool.gather(layer, slots)
+            out = _attend(q_seq, k_ctx[:, None], v_ctx[:, None], bias)  # [Hkv, 1, g * n, D]
             outputs.append(out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
         return torch.cat(outputs).reshape(-1, heads, dim)
 

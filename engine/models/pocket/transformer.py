@@ -158,7 +158,8 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].linear1.weight.dtype
+        """The dtype of its activations (its linears may be int8: models/pocket/int8.py)."""
+        return self.layers[0].norm1.weight.dtype
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         for index, layer in enumerate(self.layers):
