@@ -190,6 +190,9 @@ class Engine:
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
             thread_budget=budget,
+            # With the thread budget, a decode batch runs one part per core, each on one thread:
+            # unlike intra-op threads, parts keep the cores busy when the AR stage shares them.
+            decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
         )
         self.scheduler = Scheduler(
             self.runner,
@@ -277,6 +280,7 @@ class Engine:
             self._ar_thread.join(timeout=10)
             self._ar_thread = None
         self.decoder.stop()
+        self.runner.close()
         with self._lock:
             open_requests = list(self._open.values())
             if self._state == "closing":

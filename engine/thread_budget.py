@@ -8,6 +8,12 @@ bench/results/cpu-2core/profile.md). So every stage call counts itself busy here
 starts, sets its own thread's count (torch's count is per thread, OpenMP's) to the cores divided
 among the busy stages, all but one when it starts alone: the slower stage, busy more often
 alone, gets the spare cores. (On 2 cores that is one thread each, whatever the load.)
+
+A decode batch of enough rows runs as one part per core on threads of its own
+(`ModelRunner.decode_step`), each part counted busy like a stage. So when the AR stage idles the
+decoder has every core, and when it does not, the OS shares the cores among single-threaded
+parts, where intra-op threads would stall on the one that shares its core. Measured on 2 cores
+(closed loop, full size, 8 and 16 streams): 8.4 and 9.9 audio-s/s against 6.4 and 7.0 unsplit.
 """
 
 from __future__ import annotations

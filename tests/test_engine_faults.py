@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -475,3 +476,45 @@ def test_steps_mix_no_host_tensor_into_device_math(tiny_model: LoadedModel) -> N
     slots = [runner.decoder_states.acquire() for _ in requests]
     audio = runner.decode(slots, latents[:, None])
     assert audio.device == meta and audio.shape == (2, model.samples_per_frame)
+
+
+def test_a_decode_split_across_cores_equals_one_part_and_fails_whole(
+    tiny_model: LoadedModel,
+) -> None:
+    """A decode batch run as one part per core gives the audio of one part, and a part that
+    fails advances no row's history: the retry then gives the audio the call would have given."""
+    model = tiny_model.model
+    cpu = torch.device("cpu")
+    one, split = (
+        ModelRunner(model, BlockManager(4, 16), 8, 1, cpu, decode_parts=parts) for parts in (1, 2)
+    )
+    slots = [[runner.decoder_states.acquire() for _ in range(8)] for runner in (one, split)]
+    gen = torch.Generator().manual_seed(0)
+    frames = [torch.randn(8, 1, model.flow_lm.latent_dim, generator=gen) for _ in range(3)]
+    decode = split.decoder.decode
+    armed = False
+
+    def faulty_decode(latents: torch.Tensor, state: dict) -> torch.Tensor:
+        # The second part runs on the runner's pool thread.
+        if armed and threading.current_thread().name.startswith("intone-decode"):
+            raise InjectedFault("decode part")
+        return decode(latents, state)
+
+    split.decoder.decode = faulty_decode
+    try:
+        for step, latents in enumerate(frames):
+            want = one.decode(slots[0], latents)
+            if step == 1:
+                before = {k: v.clone() for k, v in split.decoder_states.rows.items()}
+                armed = True
+                with pytest.raises(InjectedFault):
+                    split.decode(slots[1], latents)
+                armed = False
+                for name, tensor in split.decoder_states.rows.items():
+                    if name not in split.decoder_states.in_place:
+                        assert torch.equal(tensor, before[name]), f"{name} advanced"
+            got = split.decode(slots[1], latents)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        one.close()
+        split.close()
