@@ -18,6 +18,7 @@ size); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both families); `dtype="bfloat16"` (bf
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 from pathlib import Path
@@ -118,6 +119,61 @@ async def test_fast_path_within_tolerance_full(full_checkpoint: Path, config: st
     loaded = load_model(full_checkpoint)
     voice = load_voice(loaded.model, "default", full_checkpoint / "voices" / "default.wav")
     await compare(full_checkpoint, loaded, voice, 0.3, config)
+
+
+BATCH_TEXTS = (
+    "Your table is booked for tonight.",
+    "I found two flights that leave tomorrow morning.",
+    "The package should reach your door by Thursday afternoon.",
+    "Please hold while I check that for you.",
+)
+
+
+async def compare_in_a_batch(checkpoint: Path, loaded: LoadedModel, voice: Voice, streams: int):
+    """The default path's int8 activations are quantized per call, over every row of the batch,
+    so a stream's rounding depends on its batch-mates: each of `streams` concurrent streams must
+    still hold the tolerance against its own float32 single path."""
+    jobs = [
+        (BATCH_TEXTS[i % len(BATCH_TEXTS)], GenerationOptions(temperature=0.3, seed=40 + i))
+        for i in range(streams)
+    ]
+    jobs = [(text, dataclasses.replace(options, eos_threshold=1e9)) for text, options in jobs]
+    refs = [
+        torch.cat(list(generate(loaded, voice, split_clauses(loaded.tokenizer, text), opts)))
+        for text, opts in jobs
+    ]
+    threads = torch.get_num_threads()
+    engine = Engine(load_model(checkpoint), EngineConfig(lead_s=None)).start()
+    try:
+        assert resolve_precision(engine.config.dtype, engine.config.device).flow_lm_int8
+        outputs = await asyncio.gather(
+            *[engine.synthesize(text, options=dataclasses.replace(opts)) for text, opts in jobs]
+        )
+        assert engine.metrics()["generate_batch_mean"] > 1, "the streams never shared a step"
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
+    for i, (ours, ref) in enumerate(zip(outputs, refs, strict=True)):
+        ref = ref.numpy()
+        assert ours.shape == ref.shape, f"stream {i}"
+        rel = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+        lsd = log_spectral_distance(ours, ref)
+        assert rel <= REL_RMS_MAX, f"stream {i}: relative RMS error {rel:.2e}"
+        assert lsd.mean() <= LSD_MEAN_MAX_DB, f"stream {i}: mean LSD {lsd.mean():.3f} dB"
+        assert lsd.max() <= LSD_FRAME_MAX_DB, f"stream {i}: worst frame {lsd.max():.3f} dB"
+
+
+async def test_default_path_within_tolerance_in_a_batch_tiny(
+    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice
+):
+    await compare_in_a_batch(tiny_checkpoint, tiny_model, tiny_voice, streams=8)
+
+
+@pytest.mark.full
+async def test_default_path_within_tolerance_in_a_batch_full(full_checkpoint: Path):
+    loaded = load_model(full_checkpoint)
+    voice = load_voice(loaded.model, "default", full_checkpoint / "voices" / "default.wav")
+    await compare_in_a_batch(full_checkpoint, loaded, voice, streams=4)
 
 
 def test_float32_is_one_option_away():
