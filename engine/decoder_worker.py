@@ -6,8 +6,9 @@ up until it has text again: its history is saved) and the end of the request. Be
 decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
 goes into the very next call. A call decodes rows that have the same number of latents waiting
 (up to `max_frames_per_call` each, as after a burst); rows are never held back to the smallest
-backlog. Which group goes first: the one holding a stream's first frame, then the one that brings
-the most frames to streams near an underrun (less than `URGENT_S` of delivered audio their
+backlog. Which rows go first: the streams waiting for their first frame, alone in a call of
+their own (short, so first audio never waits for other streams' backlogs), then the group that
+brings the most frames to streams near an underrun (less than `URGENT_S` of delivered audio their
 listeners have not played), else the one with the most frames (the cheapest per frame). So a
 stream that just started is not kept waiting behind streams seconds ahead, and when every stream
 is behind (past capacity) calls stay as large as they can be.
@@ -163,23 +164,32 @@ class DecoderWorker:
                 self._deliver(row, audio)
 
     def _next_rows(self) -> list[list[LatentItem]]:
-        """The rows of the next call: the requests with the same number of leading latents.
-        The group holding a stream's first frame goes first; then the group that brings the
-        most frames to streams near an underrun; with none near one, the most frames."""
+        """The rows of the next call, each with the same number of leading latents.
+
+        Streams waiting for their first frame go first, and alone: a call of only their rows
+        is short, so first audio waits for no other stream's backlog (a call of every row with
+        four frames takes ~200 ms at full size). Then the group that brings the most frames to
+        streams near an underrun; with none near one, the group with the most frames."""
         t = now()
-        groups: dict[int, list[tuple[float, deque[Item]]]] = {}  # count -> (buffered, items)
+        waiting = []  # (leading latents, buffered, items)
         for items in self._pending.values():
             count = self._leading_latents(items)
             if count:
-                groups.setdefault(count, []).append((self._buffered(items, t), items))
+                waiting.append((count, self._buffered(items, t), items))
+        first = [row for row in waiting if row[1] < 0][: self.max_batch]
+        if first:
+            count = min(count for count, _, _ in first)
+            return [[items.popleft() for _ in range(count)] for _, _, items in first]
+        groups: dict[int, list[tuple[float, deque[Item]]]] = {}  # count -> (buffered, items)
+        for count, buffered, items in waiting:
+            groups.setdefault(count, []).append((buffered, items))
         if not groups:
             return []
 
-        def priority(count: int) -> tuple[bool, int, int]:
+        def priority(count: int) -> tuple[int, int]:
             rows = groups[count]
-            first = any(buffered < 0 for buffered, _ in rows)
             urgent = sum(1 for buffered, _ in rows if buffered < URGENT_S)
-            return first, count * urgent, count * len(rows)
+            return count * urgent, count * len(rows)
 
         count = max(groups, key=priority)
         rows = sorted(groups[count], key=lambda row: row[0])[: self.max_batch]

@@ -686,26 +686,10 @@ class Engine:
                 self._finish(request, error=failed(stage, error))
 
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
-        """One prefill pass and one AR step; a failure is pinned on the rows that fail alone."""
-        if prefill:
-            with self._lock:
-                for request in prefill:
-                    assert request.table is not None and request.prompt is not None
-                    self.blocks.extend(request.table, request.prompt.shape[0])
-            started = time.perf_counter()
-            done, failures = run_rows(self.runner.prefill, prefill)
-            self._metrics.step("prefill", len(prefill), time.perf_counter() - started)
-            self._fail_rows("prefill", failures)
-            nan = torch.full((self.model.flow_lm.latent_dim,), float("nan"), device=self.device)
-            for request in done:
-                request.prompt = None
-                request.previous_latent = nan
-                request.phase = Phase.GENERATING
-            generate = generate + done
-        if not generate:
-            return
+        """One packed prefill pass, which also takes each prefilled clause's first AR step, and
+        one AR step for the other rows; a failure is pinned on the rows that fail alone."""
         rows, noise, failures = [], [], []
-        for request in generate:
+        for request in prefill + generate:
             try:
                 noise.append(self.runner.draw_noise(request))
                 rows.append(request)
@@ -714,21 +698,37 @@ class Engine:
         self._fail_rows("drawing noise", failures)
         if not rows:
             return
+        noise_of = {request.id: row for request, row in zip(rows, noise, strict=True)}
+        prefill = [r for r in prefill if r.id in noise_of]
+        generate = [r for r in generate if r.id in noise_of]
         with self._lock:
-            for request in rows:
+            for request in prefill:
+                assert request.table is not None and request.prompt is not None
+                self.blocks.extend(request.table, request.prompt.shape[0] + 1)
+            for request in generate:
                 assert request.table is not None
                 self.blocks.extend(request.table, 1)
-        noise_of = {request.id: row for request, row in zip(rows, noise, strict=True)}
 
-        def step(batch: list[Request]) -> list[tuple[torch.Tensor, bool]]:
-            latents, eos = self.runner.generate(batch, [noise_of[r.id] for r in batch])
-            return list(zip(latents, eos.tolist(), strict=True))
+        def run(stage: str, what: str, call, batch: list[Request]) -> list:
+            def step(rows: list[Request]) -> list[tuple[torch.Tensor, bool]]:
+                latents, eos = call(rows, [noise_of[r.id] for r in rows])
+                return list(zip(latents, eos.tolist(), strict=True))
 
-        self._rows_generating = len(rows)
-        started = time.perf_counter()
-        done, failures = run_rows(step, rows)
-        self._metrics.step("generate", len(rows), time.perf_counter() - started)
-        self._fail_rows("AR step", failures)
+            started = time.perf_counter()
+            done, failures = run_rows(step, batch)
+            self._metrics.step(stage, len(batch), time.perf_counter() - started)
+            self._fail_rows(what, failures)
+            return done
+
+        self._rows_generating = len(prefill) + len(generate)
+        done = []
+        if prefill:
+            done += run("prefill", "prefill", self.runner.prefill, prefill)
+            for request, _ in done:
+                request.prompt = None
+                request.phase = Phase.GENERATING
+        if generate:
+            done += run("generate", "AR step", self.runner.generate, generate)
         ended = []
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
@@ -792,15 +792,13 @@ def failed(stage: str, cause: Exception) -> EngineFailedError:
 def run_rows(step, rows: list[Request]) -> tuple[list, list[tuple[Request, Exception]]]:
     """Run `step` on `rows` as one batch; if it fails, on each row alone.
 
-    `step(batch)` returns None or one result per row, and must be repeatable on the same rows
-    (the engine extends pages and draws noise before, once). Returns (request, result) pairs of
-    the rows that ran, or just the requests when `step` returns None, and the rows that failed
-    alone with their errors.
+    `step(batch)` returns one result per row, and must be repeatable on the same rows (the
+    engine extends pages and draws noise before, once). Returns (request, result) pairs of the
+    rows that ran, and the rows that failed alone with their errors.
     """
 
     def pairs(batch: list[Request]) -> list:
-        results = step(batch)
-        return batch if results is None else list(zip(batch, results, strict=True))
+        return list(zip(batch, step(batch), strict=True))
 
     try:
         return pairs(rows), []

@@ -37,6 +37,16 @@ DECODE_SPLIT_ROWS = 4
 
 
 @dataclass
+class PrefillInputs:
+    prompts: torch.Tensor  # [N, D]: each request's prompt, then its first AR step's BOS input
+    positions: torch.Tensor
+    attention: SlotAttention
+    last: torch.Tensor  # [B]: each sequence's last row, its first AR step
+    noise: torch.Tensor  # [B, latent_dim]
+    eos_thresholds: torch.Tensor  # [B]
+
+
+@dataclass
 class GenerateInputs:
     previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
     positions: torch.Tensor
@@ -73,6 +83,10 @@ class ModelRunner:
         self.threads = thread_budget
         self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
+        # The input of a clause's first AR step: the BOS latent's embedding.
+        with torch.no_grad():
+            nan = torch.full((1, self.flow_lm.latent_dim), float("nan"), device=device)
+            self.bos_input = self.flow_lm.embed_latents(nan)
         self.decode_parts = decode_parts
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(
             max(1, decode_parts - 1), thread_name_prefix="intone-decode"
@@ -117,28 +131,41 @@ class ModelRunner:
 
     # ---- prefill
 
-    def prefill_inputs(
-        self, requests: list[Request]
-    ) -> tuple[torch.Tensor, torch.Tensor, SlotAttention]:
-        """Packed prompts and attention for `requests`, whose tables already hold their prompts."""
-        steps = []
+    def prefill_inputs(self, requests: list[Request], noise: list[torch.Tensor]) -> PrefillInputs:
+        """Packed prompts and attention for `requests`, each prompt followed by its clause's first
+        AR step (the BOS input), so one pass also gives every clause its first latent. Each
+        table already holds its prompt and that step's position."""
+        steps, prompts = [], []
         for request in requests:
             assert request.table is not None and request.prompt is not None
-            steps.append(SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0]))
+            steps.append(
+                SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0] + 1)
+            )
+            prompts += [request.prompt, self.bos_input]
         positions, attention = plan_step(self.pool, steps)
-        prompts = torch.cat([r.prompt for r in requests if r.prompt is not None])
-        return prompts, positions, attention
+        ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
+        return PrefillInputs(
+            torch.cat(prompts),
+            positions,
+            attention,
+            (ends - 1).to(self.device),
+            torch.stack(noise),
+            self._thresholds(requests),
+        )
 
     @torch.no_grad()
-    def prefill_step(
-        self, prompts: torch.Tensor, positions: torch.Tensor, attention: SlotAttention
-    ) -> None:
+    def prefill_step(self, inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first latents [B, latent_dim], EOS flags [B] as bool), on the device."""
         with self._busy():
-            self.flow_lm.backbone(prompts, positions, attention)
+            z = self.flow_lm.backbone(inputs.prompts, inputs.positions, inputs.attention)
+            return self._sample(z.index_select(0, inputs.last), inputs.noise, inputs.eos_thresholds)
 
-    def prefill(self, requests: list[Request]) -> None:
-        """One packed pass over the prompts of `requests`: no padding, one sequence each."""
-        self.prefill_step(*self.prefill_inputs(requests))
+    def prefill(
+        self, requests: list[Request], noise: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed pass over the prompts of `requests`, no padding, one sequence each, and
+        their clauses' first AR step: (latents [B, latent_dim], EOS flags [B]) on the device."""
+        return self.prefill_step(self.prefill_inputs(requests, noise))
 
     # ---- AR step
 
@@ -153,7 +180,7 @@ class ModelRunner:
             [r.previous_latent for r in requests if r.previous_latent is not None]
         )
         noise_rows = torch.stack(noise)
-        thresholds = [r.eos_threshold for r in requests]
+        thresholds = self._thresholds(requests)
         rows = len(requests)
         padding = self._bucket(rows) - rows
         if padding:
@@ -161,17 +188,10 @@ class ModelRunner:
             steps += [SequenceStep(scratch, 1)] * padding
             previous = torch.cat([previous, previous.new_zeros(padding, previous.shape[1])])
             noise_rows = torch.cat([noise_rows, noise_rows.new_zeros(padding, noise_rows.shape[1])])
-            thresholds += [0.0] * padding
+            thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
         positions, attention = plan_step(self.pool, steps, key_multiple)
-        return GenerateInputs(
-            previous,
-            positions,
-            attention,
-            noise_rows,
-            torch.tensor(thresholds, dtype=torch.float32).to(self.device),
-            rows,
-        )
+        return GenerateInputs(previous, positions, attention, noise_rows, thresholds, rows)
 
     @torch.no_grad()
     def generate_step(self, inputs: GenerateInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,8 +201,7 @@ class ModelRunner:
             z = flow_lm.backbone(
                 flow_lm.embed_latents(inputs.previous), inputs.positions, inputs.attention
             )
-            latents = flow_lm.sample_latent(z, inputs.noise, self.flow_steps)
-        return latents, flow_lm.eos_logit(z) > inputs.eos_thresholds
+            return self._sample(z, inputs.noise, inputs.eos_thresholds)
 
     def generate(
         self, requests: list[Request], noise: list[torch.Tensor]
@@ -191,6 +210,16 @@ class ModelRunner:
         inputs = self.generate_inputs(requests, noise)
         latents, eos = self.generate_step(inputs)
         return latents[: inputs.rows], eos[: inputs.rows]
+
+    def _sample(
+        self, z: torch.Tensor, noise: torch.Tensor, eos_thresholds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        latents = self.flow_lm.sample_latent(z, noise, self.flow_steps)
+        return latents, self.flow_lm.eos_logit(z) > eos_thresholds
+
+    def _thresholds(self, requests: list[Request]) -> torch.Tensor:
+        thresholds = [r.eos_threshold for r in requests]
+        return torch.tensor(thresholds, dtype=torch.float32).to(self.device)
 
     def _busy(self) -> contextlib.AbstractContextManager:
         """Stage calls count themselves busy so torch's threads follow the busy stage."""

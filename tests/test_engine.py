@@ -417,7 +417,7 @@ async def test_voice_prefix_pages_are_shared(
     prefill = engine.runner.prefill
     prefixes_checked: list[bool] = []
 
-    def checked_prefill(requests) -> None:
+    def checked_prefill(requests, noise):
         for request in requests:
             if request.voice == "default":
                 slots = engine.blocks.slots(request.table, 0, voice.length)
@@ -425,7 +425,7 @@ async def test_voice_prefix_pages_are_shared(
                 prefixes_checked.append(
                     all(torch.equal(g, w) for g, w in zip(got, voice_kv, strict=True))
                 )
-        prefill(requests)
+        return prefill(requests, noise)
 
     engine.runner.prefill = checked_prefill
 

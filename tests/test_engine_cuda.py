@@ -65,8 +65,11 @@ def runner_on(device: torch.device, loaded: LoadedModel) -> tuple[ModelRunner, l
 
 
 def run_steps(runner: ModelRunner, requests: list, sync_check: bool) -> list[torch.Tensor]:
-    """Prefill, one AR step, one decode step; inputs prepared on the host before each step."""
-    prefill_inputs = runner.prefill_inputs(requests)
+    """Prefill (with the first AR step), one more AR step, one decode step; inputs prepared on
+    the host before each step."""
+    for request in requests:
+        runner.blocks.extend(request.table, 1)  # the first AR step, in the prefill pass
+    prefill_inputs = runner.prefill_inputs(requests, [runner.draw_noise(r) for r in requests])
     for request in requests:
         runner.blocks.extend(request.table, 1)
     noise = [runner.draw_noise(r) for r in requests]
@@ -77,7 +80,7 @@ def run_steps(runner: ModelRunner, requests: list, sync_check: bool) -> list[tor
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        runner.prefill_step(*prefill_inputs)
+        runner.prefill_step(prefill_inputs)
         latents, eos = runner.generate_step(generate_inputs)
         audio = runner.decode_step(index, latents[:, None])
     finally:

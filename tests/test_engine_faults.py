@@ -93,9 +93,9 @@ def inject(engine, stage: str, culprit) -> dict:
     elif stage == "prefill":
         prefill = engine.runner.prefill
 
-        def faulty_prefill(requests):
+        def faulty_prefill(requests, noise):
             trip(involves(requests, culprit))
-            return prefill(requests)
+            return prefill(requests, noise)
 
         engine.runner.prefill = faulty_prefill
     elif stage == "ar_step":
@@ -465,11 +465,16 @@ def test_steps_mix_no_host_tensor_into_device_math(tiny_model: LoadedModel) -> N
                 generator=torch.Generator().manual_seed(i),
             )
         )
-    runner.prefill(requests)
+    for request in requests:
+        blocks.extend(request.table, 1)  # the clause's first AR step, taken in the prefill pass
+    noise = [runner.draw_noise(r) for r in requests]
+    assert all(n.device == meta for n in noise)
+    latents, eos = runner.prefill(requests, noise)
+    assert latents.device == meta and latents.shape == (2, flow_lm.latent_dim)
+    assert eos.device == meta and eos.dtype == torch.bool and eos.shape == (2,)
     for request in requests:
         blocks.extend(request.table, 1)
     noise = [runner.draw_noise(r) for r in requests]
-    assert all(n.device == meta for n in noise)
     latents, eos = runner.generate(requests, noise)
     assert latents.device == meta and latents.shape == (2, flow_lm.latent_dim)
     assert eos.device == meta and eos.dtype == torch.bool and eos.shape == (2,)

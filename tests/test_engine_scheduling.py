@@ -224,9 +224,9 @@ async def test_next_clause_starts_before_the_previous_audio_is_delivered(make_en
     prefills: list[float] = []
     prefill = engine.runner.prefill
 
-    def recorded(requests) -> None:
+    def recorded(requests, noise):
         prefills.append(time.perf_counter())
-        prefill(requests)
+        return prefill(requests, noise)
 
     engine.runner.prefill = recorded
     stream = engine.stream(None, options(8, max_frames=10))
@@ -430,3 +430,47 @@ async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
     check_outcome(outcome, reference, TEXTS[2], "default", ahead_opts, "paced and parked")
     check_outcome(Outcome(other_events), reference, TEXTS[0], "default", other_opts, "the other")
     await wait_idle(engine, floor)
+
+
+async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> None:
+    """Streams waiting for their first frame are decoded alone, however many frames the other
+    rows with the same backlog have waiting: first audio does not wait on a long call."""
+    engine = make_engine()
+    calls: list[tuple[list[int], int]] = []  # (slots, frames per row) of every decode call
+    decode = engine.runner.decode
+
+    def recorded(slots, latents):
+        calls.append((list(slots), latents.shape[1]))
+        return decode(slots, latents)
+
+    engine.runner.decode = recorded
+    ignore = lambda *args: None  # noqa: E731
+    worker = DecoderWorker(
+        engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
+        max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
+        on_fatal=ignore,
+    )  # fmt: skip
+    streams = [engine.stream(None, options(60 + i)) for i in range(6)]
+    requests = [stream.request for stream in streams]
+    *ahead, new_long, new_short = requests
+    t = time.perf_counter()
+    for request in ahead:
+        request.frames_delivered = 1
+        request.playback.deliver(2.0, t)
+    latent = torch.zeros(engine.runner.flow_lm.latent_dim)
+    for request, backlog in [*[(r, 4) for r in ahead], (new_long, 4), (new_short, 2)]:
+        for _ in range(backlog):
+            worker.put(LatentItem(request, latent, 0))
+    worker.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(calls) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        worker.stop()
+    # The two new streams alone (two frames each: what both have), then the one that has more
+    # (it is near an underrun now), then the streams ahead.
+    assert [(len(slots), frames) for slots, frames in calls[:3]] == [(2, 2), (1, 2), (4, 4)]
+    assert set(calls[1][0]) < set(calls[0][0])
+    for stream in streams:
+        stream.cancel()

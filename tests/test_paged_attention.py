@@ -254,23 +254,26 @@ def test_shared_voice_prefix_and_private_copy_page(
     for prompt in prompts:
         table, partial = blocks.share(voice_table)
         assert (partial is not None) == (tiny_voice.length % page_size != 0)
-        final = tiny_voice.length + prompt.shape[0] + steps
+        final = tiny_voice.length + prompt.shape[0] + 1 + steps
         assert blocks.reserve(table, final, copy_partial=partial is not None)
         if partial is not None:
             runner.copy_page(partial, table.pages[-1], tiny_voice.length % page_size)
-        requests.append(SimpleNamespace(table=table, prompt=prompt))
+        requests.append(SimpleNamespace(table=table, prompt=prompt, eos_threshold=0.0))
         refs.append(Contiguous(flow_lm, tiny_voice))
     full_pages = voice_table.pages[: tiny_voice.length // page_size]
     assert all(blocks.ref_counts[p] == 1 + len(prompts) for p in full_pages)
 
-    # Prefill through the runner (packed), then compare each with its contiguous reference by
-    # reading its keys/values and stepping both with the same decode inputs. The engine extends
-    # the page tables before a step (the runner never changes page bookkeeping).
+    # Prefill through the runner (packed, each prompt followed by its first AR step's BOS
+    # input), then compare each with its contiguous reference by reading its keys/values and
+    # stepping both with the same decode inputs. The engine extends the page tables before a
+    # step (the runner never changes page bookkeeping).
     for request in requests:
-        blocks.extend(request.table, request.prompt.shape[0])
-    runner.prefill(requests)
-    for request, ref, prompt in zip(requests, refs, prompts, strict=True):
-        ref.step(prompt)
+        blocks.extend(request.table, request.prompt.shape[0] + 1)
+    noise = [torch.zeros(flow_lm.latent_dim)] * len(requests)
+    latents, _ = runner.prefill(requests, noise)
+    for request, ref, prompt, latent in zip(requests, refs, prompts, latents, strict=True):
+        z = ref.step(torch.cat([prompt, runner.bos_input]))[-1:]
+        torch.testing.assert_close(latent[None], flow_lm.sample_latent(z, noise[0][None], 1), **TOL)
         for got, want in zip(runner.pool.read(blocks.slots(request.table)), ref.kv(), strict=True):
             torch.testing.assert_close(got, want, **TOL)
     for t in range(steps):
