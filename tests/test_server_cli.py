@@ -23,7 +23,7 @@ def test_serve_options():
             "--port", "9000", "--drain-timeout", "5", "--log-json", "--fallback-preset", "none",
             "--voice-alias", "alloy=alba", "--voice-alias", "echo=marius",
             "--max-streams-per-connection", "8", "--max-message-bytes", "1000",
-            "--max-active", "4", "--kv-memory-mb", "64",
+            "--max-active", "4", "--kv-memory-mb", "64", "--dtype", "float32",
         ]
     )  # fmt: skip
     options = options_from_args(args)
@@ -34,6 +34,7 @@ def test_serve_options():
     assert options.settings.max_message_bytes == 1000
     assert options.settings.drain_timeout == 5.0
     assert options.engine_config.max_active == 4 and options.engine_config.kv_memory_mb == 64
+    assert options.engine_config.dtype == "float32"
 
 
 def test_serve_access_and_limit_options(monkeypatch):
