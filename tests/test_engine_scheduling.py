@@ -282,11 +282,10 @@ async def test_a_new_streams_first_frame_is_decoded_next(make_engine) -> None:
         stream.cancel()
 
 
-async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_engine) -> None:
-    """A stream with almost no audio buffered (just started) goes into the next decode call,
-    before a bigger backlog of streams seconds ahead of their listeners."""
-    engine = make_engine()
-    calls: list[tuple[list[int], int]] = []  # (slots, frames per row) of every decode call
+def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
+    """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
+    (slots, frames per row) of every decode call it makes."""
+    calls: list[tuple[list[int], int]] = []
     decode = engine.runner.decode
 
     def recorded(slots, latents):
@@ -300,6 +299,14 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_en
         max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
         on_fatal=ignore,
     )  # fmt: skip
+    return worker, calls
+
+
+async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_engine) -> None:
+    """A stream with almost no audio buffered (just started) goes into the next decode call,
+    before a bigger backlog of streams seconds ahead of their listeners."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine)
     streams = [engine.stream(None, options(50 + i)) for i in range(5)]
     *ahead, behind = [stream.request for stream in streams]
     t = time.perf_counter()
@@ -436,20 +443,7 @@ async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> N
     """Streams waiting for their first frame are decoded alone, however many frames the other
     rows with the same backlog have waiting: first audio does not wait on a long call."""
     engine = make_engine()
-    calls: list[tuple[list[int], int]] = []  # (slots, frames per row) of every decode call
-    decode = engine.runner.decode
-
-    def recorded(slots, latents):
-        calls.append((list(slots), latents.shape[1]))
-        return decode(slots, latents)
-
-    engine.runner.decode = recorded
-    ignore = lambda *args: None  # noqa: E731
-    worker = DecoderWorker(
-        engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
-        max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
-        on_fatal=ignore,
-    )  # fmt: skip
+    worker, calls = recording_worker(engine)
     streams = [engine.stream(None, options(60 + i)) for i in range(6)]
     requests = [stream.request for stream in streams]
     *ahead, new_long, new_short = requests
