@@ -167,13 +167,15 @@ class Engine:
             torch.set_num_threads(threads)
         self.model = loaded.model
         precision = resolve_precision(config.dtype, config.device)
-        if precision.flow_lm != torch.float32 or precision.flow_lm_int8:
-            # The loaded model may be shared with float32 users: change a copy.
+        # The loaded model may be shared with float32 users: change a copy.
+        if precision.flow_lm_int8:
+            # int8_linears makes its own copy of the transformer: the model's copy shares it.
+            transformer = loaded.model.flow_lm.transformer
+            self.model = copy.deepcopy(loaded.model, {id(transformer): transformer})
+            self.model.flow_lm.transformer = int8_linears(transformer) or transformer
+        elif precision.flow_lm != torch.float32:
             self.model = copy.deepcopy(loaded.model)
-            flow_lm = self.model.flow_lm
-            flow_lm.transformer.to(precision.flow_lm)
-            if precision.flow_lm_int8:
-                flow_lm.transformer = int8_linears(flow_lm.transformer) or flow_lm.transformer
+            self.model.flow_lm.transformer.to(precision.flow_lm)
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes
