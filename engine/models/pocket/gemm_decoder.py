@@ -12,8 +12,8 @@ for GEMMs:
   input (rows that would straddle two batch rows are computed and dropped), so no im2col copy;
 - the ELU in front of a convolution writes straight into the buffer that already holds the
   convolution's history, so the history concatenation costs nothing extra;
-- a transposed convolution (kernel = 2 * stride) is one GEMM to [B, T, 2, stride, C] and the
-  overlap-add of its two halves.
+- a transposed convolution (kernel = 2 * stride) is a two-tap convolution to stride x C channels,
+  reshaped to stride frames: no overlap-add.
 Its streaming state has the same entries as `Mimi.init_decoder_state` with time-major buffers.
 """
 
@@ -33,20 +33,37 @@ logger = logging.getLogger(__name__)
 
 
 class _Conv:
-    """A causal convolution; with `elu`, the ELU in front of it is fused into its history copy."""
+    """A causal convolution; with `elu`, the ELU in front of it is fused into its history copy.
 
-    def __init__(self, module: StreamingConv1d, elu: bool):
+    `weights` is [K, Cin, Cout]: tap k's matrix, contiguous for the GEMM; tap K - 1 reads the
+    newest frame."""
+
+    def __init__(
+        self,
+        key: str,
+        weights: torch.Tensor,
+        bias: torch.Tensor | None,
+        dilation: int,
+        elu: bool,
+    ):
+        self.key = key
+        self.weights = weights
+        self.bias = bias
+        self.dilation = dilation
+        self.history = (weights.shape[0] - 1) * dilation
+        self.in_channels = weights.shape[1]
+        self.elu = elu
+
+    @classmethod
+    def of(cls, module: StreamingConv1d, elu: bool) -> _Conv:
         conv = module.conv
         if conv.groups != 1 or conv.stride[0] != 1 or module.pad_mode != "constant":
             raise ValueError("GemmDecoder supports ungrouped stride-1 zero-padded convolutions")
-        self.key = f"{module.state_name}.previous"
-        self.history = module.history
-        self.dilation = conv.dilation[0]
-        self.elu = elu
-        # [K, Cin, Cout]: tap k's matrix, contiguous for the GEMM.
-        self.weights = conv.weight.detach().permute(2, 1, 0).contiguous()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
-        self.in_channels = conv.in_channels
+        if module.history != (conv.kernel_size[0] - 1) * conv.dilation[0]:
+            raise ValueError("GemmDecoder supports causal convolutions")
+        weights = conv.weight.detach().permute(2, 1, 0).contiguous()
+        bias = None if conv.bias is None else conv.bias.detach().clone()
+        return cls(f"{module.state_name}.previous", weights, bias, conv.dilation[0], elu)
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.history == 0:
@@ -54,77 +71,87 @@ class _Conv:
         shape = (batch_size, self.history, self.in_channels)
         return {self.key: torch.zeros(shape, device=device)}
 
-    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+    def with_history(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        """[B, history + T, C]: the stored history, then `x` (through the ELU); the newest
+        `history` frames become the stored history."""
         b, t, c = x.shape
-        taps = self.weights.shape[0]
-        if self.history == 0:
-            x = F.elu(x) if self.elu else x
-            return F.linear(x, self.weights[0].t(), self.bias)
         previous = state[self.key]
-        length = self.history + t
-        buf = x.new_empty(b, length, c)
+        buf = x.new_empty(b, self.history + t, c)
         buf[:, : self.history] = previous
         if self.elu:
             torch.ops.aten.elu.out(x, 1.0, 1.0, 1.0, out=buf[:, self.history :])
         else:
             buf[:, self.history :] = x
         previous.copy_(buf[:, t:])
-        flat = buf.view(b * length, c)
+        return buf
+
+    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        b, t, _ = x.shape
+        if self.history == 0:
+            x = F.elu(x) if self.elu else x
+            return F.linear(x, self.weights[0].t(), self.bias)
+        buf = self.with_history(x, state)
+        length = buf.shape[1]
+        flat = buf.view(b * length, -1)
         rows = b * length - self.history
         out = x.new_empty(b * length, self.weights.shape[2])
         if self.bias is None:
             torch.mm(flat[:rows], self.weights[0], out=out[:rows])
         else:
             torch.addmm(self.bias, flat[:rows], self.weights[0], out=out[:rows])
-        for k in range(1, taps):
+        for k in range(1, self.weights.shape[0]):
             shift = k * self.dilation
             out[:rows].addmm_(flat[shift : shift + rows], self.weights[k])
         return out.view(b, length, -1)[:, :t]
 
 
 class _ConvTranspose:
-    """A transposed convolution with kernel = 2 * stride, ELU in front optional."""
+    """A transposed convolution with kernel = 2 * stride, ELU in front optional.
+
+    Output frames t * stride + j (j < stride) depend on input frames t and t - 1 only, so it is
+    a two-tap causal convolution to stride x Cout channels, reshaped to stride frames: no
+    overlap-add pass, and the ELU fuses into the one-frame history as in `_Conv`."""
 
     def __init__(self, module: StreamingConvTranspose1d, elu: bool):
         convtr = module.convtr
         kernel, stride = convtr.kernel_size[0], convtr.stride[0]
         if kernel != 2 * stride:
             raise ValueError("GemmDecoder supports transposed convolutions with kernel 2 * stride")
-        self.key = f"{module.state_name}.partial"
         self.stride = stride
-        self.elu = elu
-        weight = convtr.weight.detach()  # [Cin, Cout / groups, K]
         self.out_channels = convtr.out_channels
+        weight = convtr.weight.detach()  # [Cin, Cout / groups, K]
+        # Tap 0 reads frame t - 1 (the kernel's second half), tap 1 frame t (its first half).
+        taps = (weight[:, :, stride:], weight[:, :, :stride])
+        bias = None if convtr.bias is None else convtr.bias.detach().repeat(stride)
+        key = f"{module.state_name}.previous"
         self.depthwise = convtr.groups > 1
         if self.depthwise:
             if not (convtr.groups == convtr.in_channels == convtr.out_channels):
                 raise ValueError("GemmDecoder supports dense or depthwise transposed convolutions")
-            self.weights = weight[:, 0].t().contiguous()  # [K, C]
+            weights = torch.stack([tap[:, 0].t() for tap in taps])  # [2, stride, C]
         else:
-            self.weights = weight.permute(0, 2, 1).reshape(weight.shape[0], -1).contiguous()
-        self.bias = None if convtr.bias is None else convtr.bias.detach().clone()
+            cin = weight.shape[0]
+            weights = torch.stack([tap.permute(0, 2, 1).reshape(cin, -1) for tap in taps])
+            weights = weights.contiguous()  # [2, Cin, stride * Cout]
+        self.conv = _Conv(key, weights, bias, dilation=1, elu=elu)
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
-        shape = (batch_size, self.stride, self.out_channels)
-        return {self.key: torch.zeros(shape, device=device)}
+        if self.depthwise:
+            shape = (batch_size, 1, self.out_channels)
+            return {self.conv.key: torch.zeros(shape, device=device)}
+        return self.conv.init_state(batch_size, device)
 
     def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
         b, t, _ = x.shape
-        if self.elu:
-            x = F.elu(x)
         if self.depthwise:
-            y = x[:, :, None, :] * self.weights
+            buf = self.conv.with_history(x, state)[:, :, None, :]
+            before, current = self.conv.weights
+            y = buf[:, 1:] * current + buf[:, :-1] * before
+            if self.conv.bias is not None:
+                y += self.conv.bias.view(self.stride, -1)
         else:
-            y = x.reshape(b * t, -1) @ self.weights
-        # Frame i's first half is output frame i, its second half overlaps output frame i + 1;
-        # the last frame's second half waits in `partial` for the next call (without bias).
-        y = y.view(b, t, 2, self.stride, self.out_channels)
-        out = y[:, :, 0].clone() if self.bias is None else y[:, :, 0] + self.bias
-        out[:, 1:] += y[:, :-1, 1]
-        partial = state[self.key]
-        out[:, 0] += partial
-        partial.copy_(y[:, -1, 1])
-        return out.view(b, t * self.stride, self.out_channels)
+            y = self.conv(x, state)
+        return y.reshape(b, t * self.stride, self.out_channels)
 
 
 class _ResBlock:
@@ -137,7 +164,7 @@ class _ResBlock:
             and all(isinstance(m, StreamingConv1d) for m in layers[1::2])
         ):
             raise ValueError("GemmDecoder supports ELU-conv-ELU-conv residual blocks")
-        self.convs = [_Conv(layers[1], elu=True), _Conv(layers[3], elu=True)]
+        self.convs = [_Conv.of(layers[1], elu=True), _Conv.of(layers[3], elu=True)]
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         state: State = {}
@@ -249,7 +276,7 @@ class GemmDecoder:
                 elu = True
                 continue
             if isinstance(module, StreamingConv1d):
-                self.layers.append(_Conv(module, elu))
+                self.layers.append(_Conv.of(module, elu))
             elif isinstance(module, StreamingConvTranspose1d):
                 self.layers.append(_ConvTranspose(module, elu))
             elif isinstance(module, SEANetResnetBlock):
