@@ -723,14 +723,19 @@ class Engine:
             return done
 
         self._rows_generating = len(prefill) + len(generate)
-        done = []
         if prefill:
-            done += run("prefill", "prefill", self.runner.prefill, prefill)
-            for request, _ in done:
+            first = run("prefill", "prefill", self.runner.prefill, prefill)
+            for request, _ in first:
                 request.prompt = None
                 request.phase = Phase.GENERATING
+            # New streams' first latents go to the decoder now, not after the other rows' step:
+            # their first frames decode while that step runs.
+            self._emit(first)
         if generate:
-            done += run("generate", "AR step", self.runner.generate, generate)
+            self._emit(run("generate", "AR step", self.runner.generate, generate))
+
+    def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
+        """Hand a pass's latents and clause ends to the decoder, in each request's order."""
         ended = []
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None

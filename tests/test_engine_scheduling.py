@@ -282,6 +282,49 @@ async def test_a_new_streams_first_frame_is_decoded_next(make_engine) -> None:
         stream.cancel()
 
 
+async def test_a_new_streams_first_latent_reaches_the_decoder_before_the_others_step(
+    make_engine,
+) -> None:
+    """The prefill pass's latents go to the decoder at once, so a new stream's first frame
+    decodes while the AR stage steps the other rows, instead of after that step."""
+    engine = make_engine(lead_s=None)
+    events: list[str] = []
+    runner = engine.runner
+    prefill, generate, put = runner.prefill, runner.generate, engine.decoder.put
+
+    def recorded_prefill(requests, noise):
+        result = prefill(requests, noise)
+        events.append("prefill")
+        return result
+
+    def recorded_generate(requests, noise):
+        result = generate(requests, noise)
+        events.append("generate")
+        return result
+
+    runner.prefill, runner.generate = recorded_prefill, recorded_generate
+    busy = engine.stream(None, options(70, max_frames=80))
+    busy.push_text(TEXTS[2])
+    busy.end_input()
+    await asyncio.wait_for(busy.__anext__(), TIMEOUT)
+    new = engine.stream(None, options(71, max_frames=4))
+
+    def recorded_put(item) -> None:
+        if item.request is new.request and isinstance(item, LatentItem):
+            events.append("new latent")
+        put(item)
+
+    engine.decoder.put = recorded_put
+    new.push_text(TEXTS[0])
+    new.end_input()
+    await asyncio.wait_for(drain(new), TIMEOUT)
+    busy.cancel()
+    start = max(i for i, e in enumerate(events) if e == "prefill" and "new latent" in events[i:])
+    # The busy stream was generating, so the new stream's prefill shared an iteration with an
+    # AR step; the new latent came between the two passes.
+    assert events[start : start + 3] == ["prefill", "new latent", "generate"], events[start:]
+
+
 def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
     """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
     (slots, frames per row) of every decode call it makes."""
