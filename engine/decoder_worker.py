@@ -4,14 +4,15 @@ It runs on its own thread, at its own pace. The AR thread puts four kinds of ite
 in each request's order: a latent, the end of a clause, a park (the request gives its decoder row
 up until it has text again: its history is saved) and the end of the request. Before every
 decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
-goes into the very next call. A call decodes rows that have the same number of latents waiting
-(up to `max_frames_per_call` each, as after a burst); rows are never held back to the smallest
-backlog. Which rows go first: the streams waiting for their first frame, alone in a call of
-their own (short, so first audio never waits for other streams' backlogs), then the group that
-brings the most frames to streams near an underrun (less than `URGENT_S` of delivered audio their
-listeners have not played), else the one with the most frames (the cheapest per frame). So a
-stream that just started is not kept waiting behind streams seconds ahead, and when every stream
-is behind (past capacity) calls stay as large as they can be.
+goes into the very next call. A call decodes rows with the same number of latents, earliest
+deadline first: the streams waiting for their first frame, alone in a call of their own (short,
+so first audio never waits for other streams' backlogs); else the stream with the least audio
+buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading latents,
+up to `max_frames_per_call`), and every stream with at least that many waiting rides along, least
+buffered first. So a stream that just started, or has only its last latents left, is never kept
+behind streams with bigger backlogs (with groups of equal backlogs chosen by size, a stream's last
+frames waited 1-2 s behind the others' at full size, 8 streams), and no row is held back to the
+smallest backlog of all.
 
 Below capacity a call's size is bounded in row-frames so that it takes about `CALL_S` on each
 decoding core: a first frame that arrives during a call waits for it, and a call of 16 rows x 4
@@ -175,42 +176,35 @@ class DecoderWorker:
                 self._deliver(row, audio)
 
     def _next_rows(self) -> list[list[LatentItem]]:
-        """The rows of the next call, each with the same number of leading latents.
+        """The rows of the next call, each with the same number of frames; earliest deadline
+        first.
 
         Streams waiting for their first frame go first, and alone: a call of only their rows
         is short, so first audio waits for no other stream's backlog (a call of every row with
-        four frames takes ~200 ms at full size). Then the group that brings the most frames to
-        streams near an underrun; with none near one, the group with the most frames."""
+        four frames takes ~200 ms at full size). Else the stream with the least audio buffered
+        ahead of its listener sets the call's frames (its leading latents), and every stream
+        with at least that many latents waiting rides along, least buffered first."""
         t = now()
-        waiting = []  # (leading latents, buffered, items)
+        waiting = []  # (buffered, leading latents, items), least buffered first
         for items in self._pending.values():
-            count = self._leading_latents(items)
-            if count:
-                waiting.append((count, self._buffered(items, t), items))
+            if count := self._leading_latents(items):
+                waiting.append((self._buffered(items, t), count, items))
+        if not waiting:
+            return []
+        waiting.sort(key=lambda row: row[0])
         # Past capacity (most streams near an underrun) throughput comes first.
-        behind = sum(1 for _, buffered, _ in waiting if buffered < URGENT_S)
+        behind = sum(1 for buffered, _, _ in waiting if buffered < URGENT_S)
         if 2 * behind > len(waiting):
             limit = self.max_batch * self.max_frames_per_call
         else:
             limit = self._call_row_frames()
-        first = [(count, items) for count, buffered, items in waiting if buffered < 0]
+        first = [(count, items) for buffered, count, items in waiting if buffered < 0]
         if first:
             counts = [count for count, _ in first]
             return self._take_rows(min(counts), [items for _, items in first], limit)
-        groups: dict[int, list[tuple[float, deque[Item]]]] = {}  # count -> (buffered, items)
-        for count, buffered, items in waiting:
-            groups.setdefault(count, []).append((buffered, items))
-        if not groups:
-            return []
-
-        def priority(count: int) -> tuple[int, int]:
-            rows = groups[count]
-            urgent = sum(1 for buffered, _ in rows if buffered < URGENT_S)
-            return count * urgent, count * len(rows)
-
-        count = max(groups, key=priority)
-        rows = sorted(groups[count], key=lambda row: row[0])
-        return self._take_rows(count, [items for _, items in rows], limit)
+        frames = waiting[0][1]
+        rows = [items for _, count, items in waiting if count >= frames]
+        return self._take_rows(frames, rows, limit)
 
     def _take_rows(self, count: int, rows: list[deque[Item]], limit: int) -> list[list[LatentItem]]:
         """Up to `count` leading latents of each of `rows` (in priority order), `limit`

@@ -396,15 +396,20 @@ def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]
     return worker, calls
 
 
-async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_engine) -> None:
-    """A stream with almost no audio buffered (just started) goes into the next decode call,
-    before a bigger backlog of streams seconds ahead of their listeners."""
+@pytest.mark.parametrize("ahead_s", [2.0, 0.3])
+async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
+    make_engine, ahead_s: float
+) -> None:
+    """A stream with almost no audio buffered (just started, or about to finish with its last
+    latents) goes into the next decode call, before a bigger backlog of streams further ahead
+    of their listeners, whether they are seconds ahead or near an underrun too (past capacity):
+    earliest deadline first, and the streams with enough latents ride along."""
     engine = make_engine()
     worker, calls = recording_worker(engine)
     streams = [engine.stream(None, options(50 + i)) for i in range(5)]
     *ahead, behind = [stream.request for stream in streams]
     t = time.perf_counter()
-    for request, buffered in [*[(r, 2.0) for r in ahead], (behind, 0.05)]:
+    for request, buffered in [*[(r, ahead_s) for r in ahead], (behind, 0.05)]:
         request.frames_delivered = 1  # past its first frame, which goes first anyway
         request.playback.deliver(buffered, t)
     latent = torch.zeros(engine.runner.flow_lm.latent_dim)
@@ -418,8 +423,9 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(make_en
             await asyncio.sleep(0.01)
     finally:
         worker.stop()
-    # The stream behind (the only one with one latent waiting) alone first, then the others.
-    assert [(len(slots), frames) for slots, frames in calls[:2]] == [(1, 1), (len(ahead), 4)]
+    # The stream behind (the only one with one latent) sets the first call's frames and the
+    # others ride along; then the rest of their backlogs.
+    assert [(len(slots), frames) for slots, frames in calls[:2]] == [(5, 1), (len(ahead), 3)]
     for stream in streams:
         stream.cancel()
 
@@ -556,9 +562,9 @@ async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> N
             await asyncio.sleep(0.01)
     finally:
         worker.stop()
-    # The two new streams alone (two frames each: what both have), then the one that has more
-    # (it is near an underrun now), then the streams ahead.
-    assert [(len(slots), frames) for slots, frames in calls[:3]] == [(2, 2), (1, 2), (4, 4)]
-    assert set(calls[1][0]) < set(calls[0][0])
+    # The two new streams alone (two frames each: what both have); then the one that has more
+    # (it is the nearest to an underrun now) sets the frames, and the streams ahead ride along
+    # (five rows: the other new stream has nothing left).
+    assert [(len(slots), frames) for slots, frames in calls[:3]] == [(2, 2), (5, 2), (4, 2)]
     for stream in streams:
         stream.cancel()
