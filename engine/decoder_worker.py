@@ -8,18 +8,13 @@ goes into the very next call. A call decodes rows with the same number of latent
 deadline first: the streams waiting for their first frame, alone in a call of their own (short,
 so first audio never waits for other streams' backlogs); else the stream with the least audio
 buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading latents,
-up to `max_frames_per_call`), and every stream with at least that many waiting rides along, least
-buffered first. So a stream that just started, or has only its last latents left, is never kept
-behind streams with bigger backlogs (with groups of equal backlogs chosen by size, a stream's last
-frames waited 1-2 s behind the others' at full size, 8 streams), and no row is held back to the
-smallest backlog of all.
-
-Below capacity a call's size is bounded in row-frames so that it takes about `CALL_S` on each
-decoding core: a first frame that arrives during a call waits for it, and a call of 16 rows x 4
-frames takes about 300 ms at full size on a 2-core CPU. The cost per row-frame is measured on the
-calls themselves, so the bound follows the model and the machine. Past capacity (most streams
-near an underrun) the bound is off: smaller calls cost throughput there (full size, 16 streams:
-9.3 against 10.6 audio-s/s).
+up to `max_frames_per_call`), and the streams with at least that many latents waiting ride along,
+least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered), only
+streams near one ride along, so its call stays short; when every stream is (past capacity), calls
+are as large as they can be. So a stream that just started, or has only its last latents left,
+is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by size,
+a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
+held back to the smallest backlog of all.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -49,8 +44,6 @@ logger = logging.getLogger(__name__)
 
 # A stream with less audio than this buffered ahead of its listener is decoded first.
 URGENT_S = 0.5
-# About how long a decode call takes on each of its cores (see the module's docstring).
-CALL_S = 0.05
 
 
 @dataclass
@@ -107,8 +100,6 @@ class DecoderWorker:
         # Per request, its items not handled yet, in order; and the requests it knows.
         self._pending: dict[str, deque[Item]] = {}
         self._requests: dict[str, Request] = {}
-        # Measured seconds of one core's time per row-frame (a moving average over calls).
-        self._row_frame_s: float | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stop = False
@@ -182,8 +173,9 @@ class DecoderWorker:
         Streams waiting for their first frame go first, and alone: a call of only their rows
         is short, so first audio waits for no other stream's backlog (a call of every row with
         four frames takes ~200 ms at full size). Else the stream with the least audio buffered
-        ahead of its listener sets the call's frames (its leading latents), and every stream
-        with at least that many latents waiting rides along, least buffered first."""
+        ahead of its listener sets the call's frames (its leading latents), and the streams
+        with at least that many latents waiting ride along, least buffered first: if it is near
+        an underrun, only those near one too."""
         t = now()
         waiting = []  # (buffered, leading latents, items), least buffered first
         for items in self._pending.values():
@@ -192,32 +184,22 @@ class DecoderWorker:
         if not waiting:
             return []
         waiting.sort(key=lambda row: row[0])
-        # Past capacity (most streams near an underrun) throughput comes first.
-        behind = sum(1 for buffered, _, _ in waiting if buffered < URGENT_S)
-        if 2 * behind > len(waiting):
-            limit = self.max_batch * self.max_frames_per_call
-        else:
-            limit = self._call_row_frames()
         first = [(count, items) for buffered, count, items in waiting if buffered < 0]
         if first:
             counts = [count for count, _ in first]
-            return self._take_rows(min(counts), [items for _, items in first], limit)
-        frames = waiting[0][1]
-        rows = [items for _, count, items in waiting if count >= frames]
-        return self._take_rows(frames, rows, limit)
+            return self._take_rows(min(counts), [items for _, items in first])
+        head, frames, _ = waiting[0]
+        # A stream near an underrun takes along only others near one: its call stays short.
+        rows = [
+            items
+            for buffered, count, items in waiting
+            if count >= frames and (buffered < URGENT_S or head >= URGENT_S)
+        ]
+        return self._take_rows(frames, rows)
 
-    def _take_rows(self, count: int, rows: list[deque[Item]], limit: int) -> list[list[LatentItem]]:
-        """Up to `count` leading latents of each of `rows` (in priority order), `limit`
-        row-frames in all: fewer frames per row before fewer rows, since rows are what a call
-        splits across cores."""
-        rows = rows[: min(self.max_batch, limit)]
-        frames = max(1, min(count, limit // len(rows)))
-        return [[items.popleft() for _ in range(frames)] for items in rows]
-
-    def _call_row_frames(self) -> int:
-        if self._row_frame_s is None:
-            return self.max_batch * self.max_frames_per_call
-        return max(1, int(CALL_S * self.runner.decode_parts / self._row_frame_s))
+    def _take_rows(self, count: int, rows: list[deque[Item]]) -> list[list[LatentItem]]:
+        """`count` leading latents of each of the first `max_batch` of `rows`."""
+        return [[items.popleft() for _ in range(count)] for items in rows[: self.max_batch]]
 
     @staticmethod
     def _buffered(items: deque[Item], t: float) -> float:
@@ -306,12 +288,7 @@ class DecoderWorker:
         latents = torch.stack([torch.stack([item.latent for item in row]) for row in rows])
         started = time.perf_counter()
         audio = self.runner.decode(slots, latents).cpu()
-        elapsed = time.perf_counter() - started
-        self.metrics.step("decode", len(rows), elapsed)
-        row_frames = latents.shape[0] * latents.shape[1]
-        cost = elapsed * self.runner.parallel_parts(len(rows)) / row_frames
-        previous = self._row_frame_s
-        self._row_frame_s = cost if previous is None else 0.8 * previous + 0.2 * cost
+        self.metrics.step("decode", len(rows), time.perf_counter() - started)
         return audio
 
     def _deliver(self, row: list[LatentItem], samples: torch.Tensor) -> None:

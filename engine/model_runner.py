@@ -263,12 +263,8 @@ class ModelRunner:
             state = self.decoder_states.gather(index)
             return state, self.decoder.decode(self.flow_lm.denormalize(latents), state)
 
-    def parallel_parts(self, rows: int) -> int:
-        """How many parts, each on its own core, a decode call of `rows` rows runs as."""
-        return min(self.decode_parts, rows // DECODE_SPLIT_ROWS) or 1
-
     def _decode_parts(self, rows: int) -> list[slice]:
-        count = self.parallel_parts(rows)
+        count = min(self.decode_parts, rows // DECODE_SPLIT_ROWS) or 1
         bounds = [rows * i // count for i in range(count + 1)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
