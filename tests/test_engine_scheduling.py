@@ -36,6 +36,7 @@ from test_engine import (
 from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.metrics import EngineMetrics
+from intone.engine.sequence import Request
 
 make_engine = test_engine.make_engine
 reference = test_engine.reference
@@ -345,6 +346,24 @@ def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]
     return worker, calls
 
 
+async def decode_backlogs(
+    worker: DecoderWorker, made: list, backlogs: list[tuple[Request, int]], calls: int
+) -> None:
+    """Queue `backlog` latents of each request, then run the worker until it has made `calls`
+    decode calls (recorded in `made`, from `recording_worker`) or the test's timeout."""
+    latent = torch.zeros(worker.runner.flow_lm.latent_dim)
+    for request, backlog in backlogs:
+        for _ in range(backlog):
+            worker.put(LatentItem(request, latent, 0))
+    worker.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(made) < calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("ahead_s", [2.0, 0.3])
 async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
     make_engine, ahead_s: float
@@ -361,17 +380,7 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
     for request, buffered in [*[(r, ahead_s) for r in ahead], (behind, 0.05)]:
         request.frames_delivered = 1  # past its first frame, which goes first anyway
         request.playback.deliver(buffered, t)
-    latent = torch.zeros(engine.runner.flow_lm.latent_dim)
-    for request, backlog in [*[(r, 4) for r in ahead], (behind, 1)]:
-        for _ in range(backlog):
-            worker.put(LatentItem(request, latent, 0))
-    worker.start()
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(calls) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-    finally:
-        worker.stop()
+    await decode_backlogs(worker, calls, [*[(r, 4) for r in ahead], (behind, 1)], calls=2)
     # The stream behind (the only one with one latent) sets the first call's frames; the
     # others ride along if they are near an underrun too.
     shapes = [(len(slots), frames) for slots, frames in calls[:2]]
@@ -504,17 +513,8 @@ async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> N
     for request in ahead:
         request.frames_delivered = 1
         request.playback.deliver(2.0, t)
-    latent = torch.zeros(engine.runner.flow_lm.latent_dim)
-    for request, backlog in [*[(r, 4) for r in ahead], (new_long, 4), (new_short, 2)]:
-        for _ in range(backlog):
-            worker.put(LatentItem(request, latent, 0))
-    worker.start()
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(calls) < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-    finally:
-        worker.stop()
+    backlogs = [*[(r, 4) for r in ahead], (new_long, 4), (new_short, 2)]
+    await decode_backlogs(worker, calls, backlogs, calls=3)
     # The two new streams alone (two frames each: what both have), then the one that has more
     # (it is near an underrun now), then the streams ahead.
     assert [(len(slots), frames) for slots, frames in calls[:3]] == [(2, 2), (1, 2), (4, 4)]
