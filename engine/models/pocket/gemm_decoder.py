@@ -137,6 +137,8 @@ class _ConvTranspose:
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.depthwise:
+            # Its taps are [stride, C] scales, not [Cin, Cout] matrices: the history has C
+            # channels, which `self.conv` cannot read off its weights.
             shape = (batch_size, 1, self.out_channels)
             return {self.conv.key: torch.zeros(shape, device=device)}
         return self.conv.init_state(batch_size, device)
