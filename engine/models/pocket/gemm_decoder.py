@@ -32,6 +32,19 @@ from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
 logger = logging.getLogger(__name__)
 
 
+def _elu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """ELU(x) = max(x, exp(min(x, 0)) - 1), written into `out`.
+
+    aten's ELU kernel spends its time in a vectorised expm1; these four passes (exp, not expm1)
+    take ~55% of its time on one AVX2 core (1.4 vs 2.5 ns per element, decoder-sized tensors).
+    exp(x) - 1 is within 1e-7 of expm1(x) where x <= 0, and e^x - 1 >= x there, so the maximum
+    picks the right branch on both sides."""
+    torch.clamp(x, max=0.0, out=out)
+    out.exp_()
+    out.sub_(1.0)
+    return torch.maximum(out, x, out=out)
+
+
 class _Conv:
     """A causal convolution; with `elu`, the ELU in front of it is fused into its history copy.
 
@@ -79,7 +92,7 @@ class _Conv:
         buf = x.new_empty(b, self.history + t, c)
         buf[:, : self.history] = previous
         if self.elu:
-            torch.ops.aten.elu.out(x, 1.0, 1.0, 1.0, out=buf[:, self.history :])
+            _elu(x, buf[:, self.history :])
         else:
             buf[:, self.history :] = x
         previous.copy_(buf[:, t:])
@@ -88,7 +101,7 @@ class _Conv:
     def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
         b, t, _ = x.shape
         if self.history == 0:
-            x = F.elu(x) if self.elu else x
+            x = _elu(x, torch.empty_like(x)) if self.elu else x
             return F.linear(x, self.weights[0].t(), self.bias)
         buf = self.with_history(x, state)
         length = buf.shape[1]
