@@ -11,13 +11,10 @@ buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its
 up to `max_frames_per_call`), and the streams with at least that many latents waiting ride along,
 least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered), only
 streams near one ride along, so its call stays short; when every stream is (past capacity), calls
-are as large as they can be. With pacing on, when every stream waiting is at least
-`HOLD_AHEAD_S` ahead and a new stream's prompt pass is about to give its first latent, the
-worker holds back (pacing's slack goes to first audio; without pacing, throughput comes first).
-So a stream that just started, or has only its last latents left, is never kept behind streams
-with bigger backlogs (with groups of equal backlogs chosen by size, a stream's last frames waited
-1-2 s behind the others' at full size, 8 streams), and no row is held back to the smallest
-backlog of all.
+are as large as they can be. So a stream that just started, or has only its last latents left,
+is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by size,
+a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
+held back to the smallest backlog of all.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -27,7 +24,6 @@ waits on a dead thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -48,10 +44,6 @@ logger = logging.getLogger(__name__)
 
 # A stream with less audio than this buffered ahead of its listener is decoded first.
 URGENT_S = 0.5
-# With pacing on, streams at least this far ahead wait while a new stream's first latent is on
-# its way; the decoder looks again this often while it holds back.
-HOLD_AHEAD_S = 1.0
-HOLD_POLL_S = 0.005
 
 
 @dataclass
@@ -94,8 +86,6 @@ class DecoderWorker:
         on_finished: Callable[[Request, FinishItem], None],
         on_failed: Callable[[Request, Exception], None],
         on_fatal: Callable[[str, BaseException], None],
-        paced: bool = False,
-        first_audio_pending: Callable[[], bool] = lambda: False,
     ):
         self.runner = runner
         self.metrics = metrics
@@ -106,8 +96,6 @@ class DecoderWorker:
         self.on_finished = on_finished
         self.on_failed = on_failed
         self.on_fatal = on_fatal
-        self.paced = paced
-        self.first_audio_pending = first_audio_pending
         self.queue: queue.Queue[Item | None] = queue.Queue()
         # Per request, its items not handled yet, in order; and the requests it knows.
         self._pending: dict[str, deque[Item]] = {}
@@ -115,7 +103,6 @@ class DecoderWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stop = False
-        self._holding = False  # held back for a new stream's first latent: look again soon
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
@@ -147,8 +134,7 @@ class DecoderWorker:
 
     def _serve(self) -> None:
         while not self._stop:
-            with contextlib.suppress(queue.Empty):
-                self._take(self.queue.get(timeout=HOLD_POLL_S if self._holding else None))
+            self._take(self.queue.get())
             self._drain()
         for request in self._requests.values():
             self._release(request)
@@ -171,7 +157,6 @@ class DecoderWorker:
                 return
 
     def _drain(self) -> None:
-        self._holding = False
         while self._pending:
             self._pull()
             self._run_control_items()
@@ -204,11 +189,6 @@ class DecoderWorker:
             counts = [count for count, _ in first]
             return self._take_rows(min(counts), [items for _, items in first])
         head, frames, _ = waiting[0]
-        if self.paced and head >= HOLD_AHEAD_S and self.first_audio_pending():
-            # Pacing on: every stream waiting is a second ahead, and a new stream's first latent
-            # is a prompt pass away. A call started now would make that first frame wait for it.
-            self._holding = True
-            return []
         # A stream near an underrun takes along only others near one: its call stays short.
         rows = [
             items

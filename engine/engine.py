@@ -239,8 +239,6 @@ class Engine:
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
-            paced=config.lead_s is not None,
-            first_audio_pending=self.scheduler.first_audio_pending,
         )
         for name, source in loaded.voices.items():
             if name == loaded.default_voice:

@@ -107,18 +107,6 @@ class Scheduler:
         else:
             self.idle[request.id] = request
 
-    def first_audio_pending(self) -> bool:
-        """Whether a stream with no audio yet holds a row before its prompt pass, or has text
-        and a free row to take at the next step: its first latent is a prompt pass away.
-
-        The decoder's thread reads this without the engine's lock, as a hint: the copies are
-        atomic under the GIL, and a stale answer costs one decode call's place in line."""
-        if any(r.phase is Phase.PREFILL and not r.frames_generated for r in list(self.running)):
-            return True
-        return self.active < self.max_active and any(
-            r.pending and not r.frames_generated for r in list(self.waiting)
-        )
-
     def set_voice(self, name: str, table: PageTable) -> PageTable | None:
         """Register (or replace) a voice's prompt pages; returns the replaced voice's table."""
         old = self.voices.get(name)

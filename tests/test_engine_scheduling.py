@@ -36,8 +36,7 @@ from test_engine import (
 from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.metrics import EngineMetrics
-from intone.engine.scheduler import Scheduler
-from intone.engine.sequence import Phase, Request
+from intone.engine.sequence import Request
 
 make_engine = test_engine.make_engine
 reference = test_engine.reference
@@ -327,9 +326,9 @@ async def test_a_new_streams_first_latent_reaches_the_decoder_before_the_others_
     assert events[start : start + 3] == ["prefill", "new latent", "generate"], events[start:]
 
 
-def recording_worker(engine, **options) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
+def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
     """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
-    (slots, frames per row) of every decode call it makes; `options` go to DecoderWorker."""
+    (slots, frames per row) of every decode call it makes."""
     calls: list[tuple[list[int], int]] = []
     decode = engine.runner.decode
 
@@ -342,7 +341,7 @@ def recording_worker(engine, **options) -> tuple[DecoderWorker, list[tuple[list[
     worker = DecoderWorker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
         max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
-        on_fatal=ignore, **options,
+        on_fatal=ignore,
     )  # fmt: skip
     return worker, calls
 
@@ -391,72 +390,6 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
         assert shapes == [(5, 1), (len(ahead), 3)]
     for stream in streams:
         stream.cancel()
-
-
-@pytest.mark.parametrize("paced", [True, False])
-async def test_with_pacing_streams_ahead_wait_for_a_new_streams_first_latent(
-    make_engine, paced: bool
-) -> None:
-    """Streams two seconds ahead of their listeners have latents waiting while a new stream's
-    prompt pass runs. With pacing on they wait, so that pass's first latent is decoded at once
-    (a call of their backlogs takes 100-200 ms at full size); without pacing (throughput first)
-    the decoder goes on with them."""
-    engine = make_engine()
-    first_pending = True
-    worker, calls = recording_worker(engine, paced=paced, first_audio_pending=lambda: first_pending)
-    streams = [engine.stream(None, options(70 + i)) for i in range(5)]
-    *ahead, new = [stream.request for stream in streams]
-    t = time.perf_counter()
-    for request in ahead:
-        request.frames_delivered = 1
-        request.playback.deliver(2.0, t)
-    latent = torch.zeros(engine.runner.flow_lm.latent_dim)
-    for request in ahead:
-        for _ in range(4):
-            worker.put(LatentItem(request, latent, 0))
-    worker.start()
-    try:
-        await asyncio.sleep(0.3)
-        assert calls == [] if paced else calls, calls
-        held = len(calls)
-        first_pending = False
-        worker.put(LatentItem(new, latent, 0))
-        deadline = time.monotonic() + TIMEOUT
-        while len(calls) < held + 1 + paced and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-    finally:
-        worker.stop()
-    if paced:
-        # The new stream's first frame alone, then the others' backlogs.
-        assert [(len(slots), frames) for slots, frames in calls[:2]] == [(1, 1), (len(ahead), 4)]
-    for stream in streams:
-        stream.cancel()
-
-
-async def test_first_audio_pending_names_streams_a_prompt_pass_from_their_first_latent(
-    make_engine,
-) -> None:
-    """The decoder's hint: a stream with no audio yet that is admitted before its prompt pass,
-    or has text and a free row to take. (A scheduler of its own on the engine's runner, so the
-    engine's AR thread never touches its queues.)"""
-    engine = make_engine()
-    scheduler = Scheduler(engine.runner, engine.blocks, max_active=1, max_prefill_tokens=512)
-    stream = engine.stream(None, options(80))
-    request = stream.request
-    scheduler.add(request)
-    assert not scheduler.first_audio_pending()  # no text
-    request.pending.append(None)  # stands for a clause: only its presence is read
-    scheduler.ready(request)
-    assert scheduler.first_audio_pending()  # text, and a free row at the next step
-    scheduler.releasing.add("another")  # the one row is taken
-    assert not scheduler.first_audio_pending()
-    scheduler.waiting.remove(request)
-    scheduler.running.append(request)
-    request.phase = Phase.PREFILL
-    assert scheduler.first_audio_pending()  # admitted, before its prompt pass
-    request.frames_generated = 3  # a later clause's prompt pass: audio already out
-    assert not scheduler.first_audio_pending()
-    stream.cancel()
 
 
 async def test_a_tenant_holds_at_most_its_rows(make_engine, reference: Reference) -> None:
