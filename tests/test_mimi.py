@@ -9,7 +9,7 @@ from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.conv import State
-from intone.engine.models.pocket.gemm_decoder import GemmDecoder
+from intone.engine.models.pocket.gemm_decoder import GemmDecoder, winograd_matrices
 
 
 def select_rows(state: State, rows: list[int]) -> State:
@@ -74,6 +74,22 @@ def test_gemm_decoder_equals_mimi(checkpoint: str, tiny_model: LoadedModel, requ
     want = decode_in_calls(mimi, latents, calls)
     got = decode_in_calls(GemmDecoder(mimi), latents, calls)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(("tile", "kernel"), [(4, 2), (4, 3), (4, 7), (2, 3)])
+def test_winograd_matrices_compute_the_correlation(tile: int, kernel: int):
+    """F(m, K) over n = m + K - 1 inputs gives y[p] = sum_k w[k] x[p + k] for every p < m, up to
+    the float32 rounding of its matrices (the decoder's full-size layers rely on it; the tiny
+    checkpoint is too narrow to use it)."""
+    output_transform, weight_transform, input_transform = (
+        a.double() for a in winograd_matrices(tile, kernel)
+    )
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(kernel, dtype=torch.float64, generator=gen)
+    x = torch.randn(tile + kernel - 1, dtype=torch.float64, generator=gen)
+    y = output_transform @ ((weight_transform @ w) * (input_transform @ x))
+    want = torch.stack([(w * x[p : p + kernel]).sum() for p in range(tile)])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("int8", [False, True])
