@@ -34,6 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from intone.engine.block_manager import BlockManager
+from intone.engine.cpu_memory import keep_freed_memory
 from intone.engine.decoder_worker import (
     ClauseEndItem,
     DecoderWorker,
@@ -133,6 +134,9 @@ class EngineConfig:
     max_frames: int | None = None  # per clause, on top of the model's own estimate
     flow_steps: int = 1
     max_decode_frames: int = 4  # latents per request per decode call, when several wait
+    # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
+    # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
+    keep_freed_memory: bool = True
     default_chain_frames: int = 4
     clause_min_tokens: int = 6
     clause_first_min_tokens: int = 4
@@ -158,6 +162,8 @@ class Engine:
         config.validate()
         self.loaded = loaded
         self.device = torch.device(config.device)
+        if config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         threads = config.torch_threads
         budget = None
         if threads is None:
