@@ -10,7 +10,8 @@
   counts on AVX2; the reference's `quantize=True` does the same to the FlowLM), activations,
   attention, the KV cache, the flow head and the decoder's convolutions in float32. bf16 is not
   used there: without AVX-512 BF16 or AMX it is emulated (~8-10x slower than float32, measured
-  on an AVX2 EPYC), and where it is native, int8 GEMMs still do twice the work per instruction.
+  on an AVX2 EPYC), and where it is native (AMX) int8 linears are still faster at decode-step row
+  counts (docs/benchmarks.md).
   Elsewhere: float32, as before.
 """
 
