@@ -81,6 +81,7 @@ class RequestRecord:
     interrupted: bool = False
     played_s: float | None = None  # at the barge-in
     generated_s: float | None = None  # at the barge-in, where the backend tells
+    server_ttfa: float | None = None  # the server's own first-audio time, where it tells
 
     @property
     def ok(self) -> bool:
@@ -129,6 +130,9 @@ async def run_one(
                 await chunks.aclose()  # the backend cancels the stream
                 break
         record.finished = time.perf_counter()
+        server_ttfa = getattr(backend, "server_ttfa", None)
+        if server_ttfa is not None and not record.interrupted:
+            record.server_ttfa = server_ttfa(spec.seed)
     except Exception as e:  # a failed request is counted, not fatal
         record.error = f"{type(e).__name__}: {e}"
     return record
@@ -185,6 +189,7 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         audio.append(seconds)
         rtf.append(latency[-1] / seconds if seconds > 0 else float("inf"))
         underruns += underran(r.arrivals)
+    server_ttfa = [r.server_ttfa for r in ok if r.server_ttfa is not None]
     interrupted = [r for r in ok if r.interrupted]
     for r in interrupted:
         ttfa.append(r.arrivals[0][0] - r.submitted)
@@ -215,6 +220,10 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         "ttfa_ms_p50": ms(ttfa, 50),
         "ttfa_ms_p95": ms(ttfa, 95),
         "ttfa_ms_p99": ms(ttfa, 99),
+        # The server's part of TTFA (first text in to first audio out), where the backend
+        # reports it: ttfa minus this is the transport's share (`ws`, `ws-ray`).
+        "server_ttfa_ms_p50": ms(server_ttfa, 50),
+        "server_ttfa_ms_p95": ms(server_ttfa, 95),
         "latency_ms_p50": ms(latency, 50),
         "latency_ms_p95": ms(latency, 95),
         "rtf_p50": percentile(rtf, 50),

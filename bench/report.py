@@ -108,6 +108,20 @@ def markdown(results: dict) -> str:
             f" cores, max {max(foreign):.2f} cores (of {m.get('cores')}).",
             "",
         ]
+    served = [r for r in _sorted(results["runs"]) if r.get("server_ttfa_ms_p50") is not None]
+    if served:
+        out += [
+            "TTFA in the server (first text in to first audio out, from each stream's `done` "
+            "event) against the client's, p50 / p95 ms; the difference is the transport's: "
+            + "; ".join(
+                f"{r['mode']} c={r.get('concurrency') or '-'}: "
+                f"{_f(r['server_ttfa_ms_p50'])} / {_f(r['server_ttfa_ms_p95'])} against "
+                f"{_f(r['ttfa_ms_p50'])} / {_f(r['ttfa_ms_p95'])}"
+                for r in served
+            )
+            + ".",
+            "",
+        ]
     acc = results.get("acceptance") or {}
     engines = [m for m in acc if m not in ("targets", "baselines")]
     if engines:

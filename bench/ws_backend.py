@@ -46,6 +46,7 @@ class WsBackend:
         self.connections = connections
         self.ray = ray
         self._stages0: dict | None = None
+        self._server_ttfa: dict[int, float] = {}  # seed -> the `done` event's server_ttfa
 
     async def start(self) -> None:
         from intone.provider.client import IntoneClient
@@ -86,9 +87,16 @@ class WsBackend:
             async for pcm in stream:
                 yield len(pcm) // 2
             finished = True
+            ttfa = (stream.metrics or {}).get("server_ttfa")
+            if ttfa is not None:
+                self._server_ttfa[seed] = ttfa
         finally:
             if not finished:
                 await stream.cancel(wait=False)
+
+    def server_ttfa(self, seed: int) -> float | None:
+        """The server's own time from the request's text to its first audio, in seconds."""
+        return self._server_ttfa.pop(seed, None)
 
     def _engine_stats(self) -> dict | None:
         import httpx

@@ -40,3 +40,22 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
     for name in ("results.md", "ttfa.png", "throughput.png"):
         assert (out / name).stat().st_size > 0
     assert "| batched | c=2 |" in (out / "results.md").read_text()
+
+
+def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_path: Path):
+    """`ws` runs carry the server's own TTFA (from each stream's `done` event) beside the
+    client's, so that the transport's share (e.g. Ray's proxy in `ws-ray`) is measured, not
+    guessed."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--model", str(tiny_checkpoint)]
+    cmd += ["--modes", "ws", "--concurrency", "1", "--requests", "2", "--warmup", "1"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["completed"] == 2
+    # Each request's server interval lies inside its client interval, so every quantile does.
+    assert 0 < run["server_ttfa_ms_p50"] <= run["ttfa_ms_p50"]
+    assert 0 < run["server_ttfa_ms_p95"] <= run["ttfa_ms_p95"]
+    assert "TTFA in the server" in (out / "results.md").read_text()
