@@ -221,7 +221,8 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         "ttfa_ms_p95": ms(ttfa, 95),
         "ttfa_ms_p99": ms(ttfa, 99),
         # The server's part of TTFA (first text in to first audio out), where the backend
-        # reports it: ttfa minus this is the transport's share (`ws`, `ws-ray`).
+        # reports it (`ws`, `ws-ray`): ttfa minus this is the transport's share. Only requests
+        # that ran to the end carry it (a barge-in cancels a stream before its `done` event).
         "server_ttfa_ms_p50": ms(server_ttfa, 50),
         "server_ttfa_ms_p95": ms(server_ttfa, 95),
         "latency_ms_p50": ms(latency, 50),

@@ -111,8 +111,9 @@ def markdown(results: dict) -> str:
     served = [r for r in _sorted(results["runs"]) if r.get("server_ttfa_ms_p50") is not None]
     if served:
         out += [
-            "TTFA in the server (first text in to first audio out, from each stream's `done` "
-            "event) against the client's, p50 / p95 ms; the difference is the transport's: "
+            "TTFA in the server (first text in to first audio out, from the `done` event of "
+            "each stream that ran to the end) against the client's, p50 / p95 ms; without "
+            "barge-ins the difference is the transport's: "
             + "; ".join(
                 f"{r['mode']} c={r.get('concurrency') or '-'}: "
                 f"{_f(r['server_ttfa_ms_p50'])} / {_f(r['server_ttfa_ms_p95'])} against "
