@@ -1,7 +1,7 @@
 """Per-call cost of the engine's two stages by batch size: where the time goes.
 
 Times the calls the engine makes, on the engine's own ModelRunner:
-- AR step: `ModelRunner._generate_step` (backbone one position per row + flow head + EOS) for
+- AR step: `ModelRunner.generate_step` (backbone one position per row + flow head + EOS) for
   B rows with a context of --context positions each;
 - decode: `ModelRunner.decode` (gather the rows' Mimi histories, decode one latent per row,
   scatter them back) for B rows.
@@ -49,7 +49,7 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
     from intone.engine import Engine, EngineConfig
     from intone.engine.loading import load_model
     from intone.engine.model_runner import GenerateInputs
-    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
+    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_lane_step
 
     # torch_threads=0: this script sets the thread count itself (no per-stage thread budget).
     # max_active: the decoder state pool holds a row for every batch size asked for.
@@ -64,13 +64,13 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
     def ar_call(rows: int):
         per_row = context + 1
         steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
-        positions, attention = plan_step(runner.pool, steps)
+        # Seated once, as rows that stay in the batch are: each call rewrites the same position.
+        order, positions, attention = plan_lane_step(runner.lanes, steps, list(steps))
         previous = torch.randn(rows, flow_lm.latent_dim, device=device)
         noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
-
-        inputs = GenerateInputs(
-            previous, positions, attention, noise, torch.full((rows,), 1e9, device=device), rows
-        )
+        thresholds = torch.full((rows,), 1e9, device=device)
+        order_t = torch.tensor(order, device=device)
+        inputs = GenerateInputs(previous, positions, attention, noise, thresholds, order_t, rows)
 
         def call():
             with torch.no_grad():

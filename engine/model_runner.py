@@ -25,7 +25,14 @@ from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.gemm_decoder import make_decoder
-from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
+from intone.engine.models.pocket.kv_cache import (
+    KVLanes,
+    LaneAttention,
+    SequenceStep,
+    SlotAttention,
+    plan_lane_step,
+    plan_step,
+)
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.sequence import Request
 from intone.engine.thread_budget import ThreadBudget
@@ -48,11 +55,14 @@ class PrefillInputs:
 
 @dataclass
 class GenerateInputs:
+    """An AR step's inputs, rows in lane order (row i: `order[i]` of the requests, or padding)."""
+
     previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
     positions: torch.Tensor
-    attention: SlotAttention
+    attention: LaneAttention
     noise: torch.Tensor  # [B', latent_dim]
     eos_thresholds: torch.Tensor  # [B']
+    order: torch.Tensor  # [B']
     rows: int
 
 
@@ -79,6 +89,7 @@ class ModelRunner:
         self.pool = self.flow_lm.new_kv_pool(
             (blocks.num_pages + 1) * blocks.page_size, device=device
         )
+        self.lanes = KVLanes(self.pool)
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
@@ -170,12 +181,15 @@ class ModelRunner:
     # ---- AR step
 
     def generate_inputs(self, requests: list[Request], noise: list[torch.Tensor]) -> GenerateInputs:
-        """Inputs of one AR step; each table already holds the position this step writes.
+        """Inputs of one AR step; each table already holds the position this step writes. Seats
+        each request's context in a lane (`KVLanes`), copying in only what its lane lacks.
 
         With batch buckets, padding rows attend only to a scratch slot and are dropped.
         """
         steps = [SequenceStep(self.blocks.slots(r.table), 1) for r in requests if r.table]
         assert len(steps) == len(requests)
+        # A lane holds one clause's context: its page table names it.
+        owners: list[object | None] = [r.table for r in requests]
         previous = torch.stack(
             [r.previous_latent for r in requests if r.previous_latent is not None]
         )
@@ -186,12 +200,22 @@ class ModelRunner:
         if padding:
             scratch = torch.tensor([self.blocks.num_pages * self.blocks.page_size])
             steps += [SequenceStep(scratch, 1)] * padding
+            owners += [None] * padding
             previous = torch.cat([previous, previous.new_zeros(padding, previous.shape[1])])
             noise_rows = torch.cat([noise_rows, noise_rows.new_zeros(padding, noise_rows.shape[1])])
             thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
-        positions, attention = plan_step(self.pool, steps, key_multiple)
-        return GenerateInputs(previous, positions, attention, noise_rows, thresholds, rows)
+        order, positions, attention = plan_lane_step(self.lanes, steps, owners, key_multiple)
+        order_t = torch.tensor(order).to(self.device)
+        return GenerateInputs(
+            previous.index_select(0, order_t),
+            positions,
+            attention,
+            noise_rows.index_select(0, order_t),
+            thresholds.index_select(0, order_t),
+            order_t,
+            rows,
+        )
 
     @torch.no_grad()
     def generate_step(self, inputs: GenerateInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +233,8 @@ class ModelRunner:
         """One AR step for every request: (latents [B, latent_dim], EOS flags [B]) on the device."""
         inputs = self.generate_inputs(requests, noise)
         latents, eos = self.generate_step(inputs)
-        return latents[: inputs.rows], eos[: inputs.rows]
+        back = torch.argsort(inputs.order)[: inputs.rows]  # the requests' order, padding dropped
+        return latents.index_select(0, back), eos.index_select(0, back)
 
     def _sample(
         self, z: torch.Tensor, noise: torch.Tensor, eos_thresholds: torch.Tensor

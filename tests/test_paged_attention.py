@@ -19,7 +19,13 @@ from torch.nn import functional as F
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.model_runner import ModelRunner
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import (
+    KVLanes,
+    KVPool,
+    SequenceStep,
+    plan_lane_step,
+    plan_step,
+)
 from intone.engine.voices import Voice, load_voice
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -372,6 +378,29 @@ def check_step(
     assert_relative(pool.values, old_pool.values)
 
 
+@torch.no_grad()
+def check_lane_step(
+    flow_lm,
+    lanes: KVLanes,
+    steps: list[SequenceStep],
+    owners: list[object | None],
+    x: torch.Tensor,
+    key_multiple: int = 1,
+) -> None:
+    """A decode step through the lanes equals it through the previous path, row for row, and
+    writes the same keys and values to the pool. Padding rows (owner None) are dropped: in
+    the previous path they all read the one scratch slot, whoever wrote it last."""
+    old_pool = clone_pool(lanes.pool)
+    order, positions, attention = plan_lane_step(lanes, steps, owners, key_multiple)
+    got = flow_lm.backbone(x[order], positions, attention)
+    old_positions = torch.tensor([len(s.slots) - 1 for s in steps])
+    want = flow_lm.backbone(x, old_positions, PaddedGatherAttention(old_pool, steps, key_multiple))
+    rows = [lane for lane, row in enumerate(order) if owners[row] is not None]
+    assert_relative(got[rows], want[[order[lane] for lane in rows]])
+    assert_relative(lanes.pool.keys, old_pool.keys)
+    assert_relative(lanes.pool.values, old_pool.values)
+
+
 @pytest.mark.parametrize("checkpoint", ["tiny", "full"])
 def test_attention_equals_previous_path(
     checkpoint: str, tiny_model: LoadedModel, tiny_voice: Voice, request
@@ -392,7 +421,7 @@ def test_attention_equals_previous_path(
     voice_table = blocks.allocate(voice.length)
     runner.write_voice(voice_table, voice)
     lengths = [3, 17, 8, 1] if checkpoint == "tiny" else [5, 12]
-    decode_steps = 5
+    decode_steps = 6
     tables = []
     for n in lengths:
         table, partial = blocks.share(voice_table)
@@ -408,14 +437,33 @@ def test_attention_equals_previous_path(
         steps.append(SequenceStep(blocks.slots(table), n))
     x = embeddings(sum(lengths), flow_lm.dim, seed=500)
     check_step(flow_lm, runner.pool, steps, x)
-    for t in range(decode_steps):
-        members = [i for i in range(len(tables)) if not (i == 1 and t % 2)]
+    # Decode steps through the lanes, as the engine runs them: rows skip steps and come back
+    # in another order (lanes move), share a step with bucket padding rows, retry after a
+    # failed step, and take a step elsewhere (their lane goes stale: they re-seat from the pool).
+    lanes = KVLanes(runner.pool)
+    scratch = SequenceStep(torch.tensor([blocks.num_pages * page_size]), 1)
+    everyone = list(range(len(tables)))
+    schedule = [everyone, [everyone[-1], 0], everyone, everyone[::-1], everyone[:1] + everyone[2:]]
+    for t, members in enumerate([*schedule, everyone]):
         steps = []
         for i in members:
             blocks.extend(tables[i], 1)
             steps.append(SequenceStep(blocks.slots(tables[i]), 1))
-        x = embeddings(len(members), flow_lm.dim, seed=600 + t)
-        check_step(flow_lm, runner.pool, steps, x, key_multiple=page_size if t % 2 else 1)
+        owners: list[object | None] = [tables[i] for i in members]
+        if t == 3:
+            steps, owners = steps + [scratch] * 2, owners + [None, None]
+        x = embeddings(len(steps), flow_lm.dim, seed=600 + t)
+        if t == 2:
+            # A step that fails after writing part of its position: the retry re-seats.
+            _, _, failed = plan_lane_step(lanes, steps, owners)
+            tf = flow_lm.transformer
+            k = torch.randn(len(steps), tf.num_kv_heads, tf.head_dim)
+            failed.attend(0, torch.randn(len(steps), tf.num_heads, tf.head_dim), k, k)
+        check_lane_step(flow_lm, lanes, steps, owners, x, key_multiple=page_size if t == 3 else 1)
+        if t == 4:
+            blocks.extend(tables[1], 1)
+            x = embeddings(1, flow_lm.dim, seed=700)
+            check_step(flow_lm, runner.pool, [SequenceStep(blocks.slots(tables[1]), 1)], x)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
@@ -443,3 +491,28 @@ def test_grouped_query_attention_equals_repeated_kv_heads(kv_heads: int) -> None
             assert got.shape == (total, heads, dim)
             assert_relative(got, want)
             assert torch.equal(pool.keys, old_pool.keys)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+@torch.no_grad()
+def test_lanes_with_grouped_query_attention(kv_heads: int) -> None:
+    """Decode through the lanes with fewer KV heads than query heads equals the previous path."""
+    heads, dim, layers = 8, 16, 2
+    gen = torch.Generator().manual_seed(10 + kv_heads)
+    pool = KVPool(layers, 96, kv_heads, dim)
+    pool.keys.normal_(generator=gen)
+    pool.values.normal_(generator=gen)
+    order = torch.randperm(96, generator=gen)
+    steps = [
+        SequenceStep(order[a : a + n], 1) for a, n in zip([0, 30, 70], [9, 30, 2], strict=True)
+    ]
+    lanes = KVLanes(pool)
+    for layer in range(layers):
+        q = torch.randn(len(steps), heads, dim, generator=gen)
+        k, v = torch.randn(2, len(steps), kv_heads, dim, generator=gen)
+        old_pool = clone_pool(pool)
+        rows, _, attention = plan_lane_step(lanes, steps, list(steps))
+        got = attention.attend(layer, q[rows], k[rows], v[rows])
+        want = PaddedGatherAttention(old_pool, steps).attend(layer, q, k, v)
+        assert_relative(got, want[rows])
+        assert torch.equal(pool.keys, old_pool.keys)

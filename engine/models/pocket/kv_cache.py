@@ -21,10 +21,11 @@ class KVPool:
     """Keys and values of the attention's key/value heads, stored head-major:
     [layers, kv_heads, slots, head_dim].
 
-    Head-major because a step reads its rows' context with one `index_select` per layer straight
-    into the [kv_heads, rows, length, head_dim] layout the batched matmuls take: measured on one
-    CPU core (16 rows x 150 positions, 16 heads of 64), 1.3 ms per gather, against 8.3 ms for
-    advanced indexing into a slot-major pool and 2.3 ms for a slot-major gather plus transpose.
+    Head-major because its reads (a prefill's context, a row's context copied into its lane)
+    are one `index_select` per layer straight into the [kv_heads, length, head_dim] layout the
+    batched matmuls take: measured on one CPU core (16 rows x 150 positions, 16 heads of 64),
+    1.3 ms per gather, against 8.3 ms for advanced indexing into a slot-major pool and 2.3 ms
+    for a slot-major gather plus transpose.
     `write`/`read` take and give the slot-major [layers, n, kv_heads, head_dim] of a voice."""
 
     def __init__(
@@ -73,6 +74,99 @@ class KVPool:
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values at slots [n], head-major: [H, n, D]."""
         return self.keys[layer].index_select(1, slots), self.values[layer].index_select(1, slots)
+
+
+class KVLanes:
+    """Each row of a decode batch's context as one dense run:
+    [layers, lanes, kv_heads, capacity, head_dim] for keys and for values.
+
+    A decode step reads every row's whole context in every layer. Gathered from the pool's
+    scattered slots, that was a padded copy per layer per step, which cost 3-4x the attention
+    itself (16 rows x 150 positions, 16 heads of 64, one core: 4.3 ms a layer gathered, 1.1 ms
+    read in place). Here row i of a step sits in lane i, so a step reads `[:rows, :, :length]`
+    of a layer as a view. A row's context is copied in from the pool once, when it takes a lane;
+    after that each step appends its one position. The pool gets every position as well and stays
+    the record: a row whose lane went to another re-seats from it. Lanes grow (in number and in
+    length) to the largest step seen; memory is rows x longest context x `pool.slot_bytes`.
+    """
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        layers, heads, _, dim = pool.keys.shape
+        shape = (layers, 0, heads, 0, dim)
+        self.keys = pool.keys.new_zeros(shape)
+        self.values = pool.values.new_zeros(shape)
+        self.owners: list[object | None] = []  # whose context each lane holds
+        self.lengths: list[int] = []  # positions the lane holds once its current step is done
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def seat(
+        self, histories: list[torch.Tensor], owners: list[object | None], length: int
+    ) -> list[int]:
+        """Seat row r, whose context before this step is at pool slots `histories[r]`, in one
+        of lanes 0 .. rows - 1, lanes at least `length` long. `owners[r]` identifies the context
+        (None: a padding row with none). Rows keep the lane they held if it is in range and up
+        to date; the others move from a lane out of range or fill from the pool. Returns the
+        rows in lane order."""
+        rows = len(histories)
+        self._grow(rows, length)
+        held = {id(owner): lane for lane, owner in enumerate(self.owners) if owner is not None}
+
+        def current(row: int) -> int | None:
+            lane = held.get(id(owners[row])) if owners[row] is not None else None
+            return lane if lane is not None and self.lengths[lane] == len(histories[row]) else None
+
+        lane_of = [
+            lane if (lane := current(r)) is not None and lane < rows else None for r in range(rows)
+        ]
+        free = iter(sorted(set(range(rows)) - set(lane_of)))
+        for row in range(rows):
+            if lane_of[row] is not None:
+                continue
+            lane = lane_of[row] = next(free)
+            n = len(histories[row])
+            source = current(row)
+            if source is not None:  # a lane out of range: nobody writes it in this seating
+                self.keys[:, lane, :, :n] = self.keys[:, source, :, :n]
+                self.values[:, lane, :, :n] = self.values[:, source, :, :n]
+            elif n:
+                self.keys[:, lane, :, :n] = self.pool.keys.index_select(2, histories[row])
+                self.values[:, lane, :, :n] = self.pool.values.index_select(2, histories[row])
+        seated = {id(owner) for owner in owners if owner is not None}
+        self.owners = [None if id(owner) in seated else owner for owner in self.owners]
+        for row, lane in enumerate(lane_of):
+            self.owners[lane] = owners[row]
+            # Counted as if the step succeeds: after a failed one the lengths disagree with the
+            # retry's history, so the retry re-seats from the pool.
+            self.lengths[lane] = len(histories[row]) + 1
+        return sorted(range(rows), key=lane_of.__getitem__)
+
+    def store(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store row i's new key/value [rows, kv_heads, D] at positions[i] of lane i."""
+        lanes = torch.arange(k.shape[0], device=k.device)
+        self.keys[layer, lanes, :, positions] = k
+        self.values[layer, lanes, :, positions] = v
+
+    def context(self, layer: int, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of lanes 0 .. rows - 1, positions 0 .. length - 1: [rows, kv_heads, length, D]."""
+        return self.keys[layer, :rows, :, :length], self.values[layer, :rows, :, :length]
+
+    def _grow(self, rows: int, length: int) -> None:
+        lanes, capacity = self.keys.shape[1], self.capacity
+        if rows <= lanes and length <= capacity:
+            return
+        layers, _, heads, _, dim = self.keys.shape
+        # Lengths in steps of 64 positions: a growing context reallocates now and then only.
+        shape = (layers, max(rows, lanes), heads, max(capacity, -(-length // 64) * 64), dim)
+        for name in ("keys", "values"):
+            grown = self.keys.new_zeros(shape)
+            grown[:, :lanes, :, :capacity] = getattr(self, name)
+            setattr(self, name, grown)
+        self.owners += [None] * (shape[1] - lanes)
+        self.lengths += [0] * (shape[1] - lanes)
 
 
 @dataclass
@@ -206,3 +300,57 @@ def plan_step(
             biases,
         )
     return positions.to(device), attention
+
+
+@dataclass
+class LaneAttention:
+    """Attention for a decode step through `KVLanes` (implements `KVCache`): row i is lane i.
+
+    Each layer writes the rows' new keys/values to the pool and to their lanes, then attends
+    over views of the lanes, the query heads of a group sharing their KV head, softmax in
+    float32 whatever the KV dtype.
+    """
+
+    pool: KVPool
+    lanes: KVLanes
+    write_slots: torch.Tensor  # [B]: each row's new position in the pool
+    positions: torch.Tensor  # [B]: the same position in the row's lane
+    length: int  # keys read per row: the longest row, maybe rounded up
+    bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.pool.store(layer, self.write_slots, k, v)
+        self.lanes.store(layer, self.positions, k, v)
+        rows, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        keys, values = self.lanes.context(layer, rows, self.length)
+        q = q.view(rows, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).float() + self.bias
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(rows, heads, dim)
+
+
+def plan_lane_step(
+    lanes: KVLanes, steps: list[SequenceStep], owners: list[object | None], key_multiple: int = 1
+) -> tuple[list[int], torch.Tensor, LaneAttention]:
+    """(order, positions [B], attention) for a decode step (one new position per sequence)
+    through `lanes`. The step runs its rows in `order` (order[i]: the step in lane i), so its
+    inputs and outputs are in that order; `owners` as in `KVLanes.seat`."""
+    assert all(s.num_new == 1 for s in steps)
+    device = lanes.pool.keys.device
+    longest = -(-max(len(s.slots) for s in steps) // key_multiple) * key_multiple
+    order = lanes.seat([s.slots[:-1].to(device) for s in steps], owners, longest)
+    steps = [steps[i] for i in order]
+    lengths = torch.tensor([len(s.slots) for s in steps])
+    positions = lengths - 1
+    visible = torch.arange(longest)[None, :] < lengths[:, None]
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    attention = LaneAttention(
+        lanes.pool,
+        lanes,
+        torch.cat([s.slots[-1:] for s in steps]).to(device),
+        positions.to(device),
+        longest,
+        bias[:, None, None].to(device),
+    )
+    return order, positions.to(device), attention
