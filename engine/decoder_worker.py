@@ -11,7 +11,12 @@ buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its
 up to `max_frames_per_call`), and the streams with at least that many latents waiting ride along,
 least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered), only
 streams near one ride along, so its call stays short; when every stream is (past capacity), calls
-are as large as they can be. So a stream that just started, or has only its last latents left,
+are as large as they can be. With playback pacing on (`paced`), when no stream is near an
+underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one full-batch
+frame's time), and while a stream's first latent is being computed (`first_frames_due`, set by
+the AR stage around a prefill pass) the worker starts no such call at all: it waits, re-checking
+every `HOLD_RECHECK_S`, so that first latent finds the decoder free instead of behind a long call
+of audio nobody needs yet. So a stream that just started, or has only its last latents left,
 is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by size,
 a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
 held back to the smallest backlog of all.
@@ -24,6 +29,7 @@ waits on a dead thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -44,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # A stream with less audio than this buffered ahead of its listener is decoded first.
 URGENT_S = 0.5
+# While holding for a first latent, how often the worker looks again at the streams' buffers.
+HOLD_RECHECK_S = 0.02
 
 
 @dataclass
@@ -86,8 +94,12 @@ class DecoderWorker:
         on_finished: Callable[[Request, FinishItem], None],
         on_failed: Callable[[Request, Exception], None],
         on_fatal: Callable[[str, BaseException], None],
+        paced: bool = False,
     ):
         self.runner = runner
+        self.paced = paced
+        # Set by the AR thread while a prefill pass computes a stream's first latent.
+        self.first_frames_due = False
         self.metrics = metrics
         self.sample_rate = sample_rate
         self.max_batch = max_batch
@@ -133,9 +145,11 @@ class DecoderWorker:
             self.on_fatal("the decoder thread stopped", None)
 
     def _serve(self) -> None:
+        timeout = None
         while not self._stop:
-            self._take(self.queue.get())
-            self._drain()
+            with contextlib.suppress(queue.Empty):
+                self._take(self.queue.get(timeout=timeout))
+            timeout = HOLD_RECHECK_S if self._drain() else None
         for request in self._requests.values():
             self._release(request)
         self._pending.clear()
@@ -156,15 +170,17 @@ class DecoderWorker:
             except queue.Empty:
                 return
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Decode until nothing is left to decode now; True if latents wait (held back)."""
         while self._pending:
             self._pull()
             self._run_control_items()
             rows = self._next_rows()
             if not rows:
-                return
+                return bool(self._pending)
             for row, audio in self._decode_with_retry(rows):
                 self._deliver(row, audio)
+        return False
 
     def _next_rows(self) -> list[list[LatentItem]]:
         """The rows of the next call, each with the same number of frames; earliest deadline
@@ -175,7 +191,8 @@ class DecoderWorker:
         four frames takes ~200 ms at full size). Else the stream with the least audio buffered
         ahead of its listener sets the call's frames (its leading latents), and the streams
         with at least that many latents waiting ride along, least buffered first: if it is near
-        an underrun, only those near one too."""
+        an underrun, only those near one too. Paced and with nobody near one: calls of at most
+        `max_batch` row-frames, and none while a first latent is due."""
         t = now()
         waiting = []  # (buffered, leading latents, items), least buffered first
         for items in self._pending.values():
@@ -189,6 +206,10 @@ class DecoderWorker:
             counts = [count for count, _ in first]
             return self._take_rows(min(counts), [items for _, items in first])
         head, frames, _ = waiting[0]
+        if self.paced and head >= URGENT_S:
+            if self.first_frames_due:
+                return []
+            frames = max(1, min(frames, self.max_batch // len(waiting)))
         # A stream near an underrun takes along only others near one: its call stays short.
         rows = [
             items

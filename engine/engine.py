@@ -245,6 +245,7 @@ class Engine:
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
+            paced=config.lead_s is not None,
         )
         for name, source in loaded.voices.items():
             if name == loaded.default_voice:
@@ -730,13 +731,18 @@ class Engine:
 
         self._rows_generating = len(prefill) + len(generate)
         if prefill:
-            first = run("prefill", "prefill", self.runner.prefill, prefill)
-            for request, _ in first:
-                request.prompt = None
-                request.phase = Phase.GENERATING
-            # New streams' first latents go to the decoder now, not after the other rows' step:
-            # their first frames decode while that step runs.
-            self._emit(first)
+            # The decoder keeps itself free for a stream's first latent while it is computed.
+            self.decoder.first_frames_due = any(r.frames_delivered == 0 for r in prefill)
+            try:
+                first = run("prefill", "prefill", self.runner.prefill, prefill)
+                for request, _ in first:
+                    request.prompt = None
+                    request.phase = Phase.GENERATING
+                # New streams' first latents go to the decoder now, not after the other rows'
+                # step: their first frames decode while that step runs.
+                self._emit(first)
+            finally:
+                self.decoder.first_frames_due = False
         if generate:
             self._emit(run("generate", "AR step", self.runner.generate, generate))
 

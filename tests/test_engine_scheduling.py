@@ -326,7 +326,9 @@ async def test_a_new_streams_first_latent_reaches_the_decoder_before_the_others_
     assert events[start : start + 3] == ["prefill", "new latent", "generate"], events[start:]
 
 
-def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
+def recording_worker(
+    engine, paced: bool = False
+) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
     """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
     (slots, frames per row) of every decode call it makes."""
     calls: list[tuple[list[int], int]] = []
@@ -341,7 +343,7 @@ def recording_worker(engine) -> tuple[DecoderWorker, list[tuple[list[int], int]]
     worker = DecoderWorker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
         max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
-        on_fatal=ignore,
+        on_fatal=ignore, paced=paced,
     )  # fmt: skip
     return worker, calls
 
@@ -521,3 +523,43 @@ async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> N
     assert set(calls[1][0]) < set(calls[0][0])
     for stream in streams:
         stream.cancel()
+
+
+async def test_paced_decoder_keeps_itself_free_for_a_first_latent(make_engine) -> None:
+    """With pacing on and every stream seconds ahead of its listener, the decoder starts no
+    call while a stream's first latent is being computed, and then decodes it at once; calls
+    of streams ahead are kept to `max_batch` row-frames. A stream that comes near an underrun
+    during the hold is decoded all the same: the hold never starves anybody."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine, paced=True)
+    streams = [engine.stream(None, options(70 + i)) for i in range(8)]
+    *ahead, new = [stream.request for stream in streams]
+    t = time.perf_counter()
+    for request in ahead:
+        request.frames_delivered = 1
+        request.playback.deliver(0.9, t)  # near an underrun (URGENT_S) in 0.4 s
+    worker.first_frames_due = True
+    latent = torch.zeros(worker.runner.flow_lm.latent_dim)
+    for request in ahead:
+        for _ in range(4):
+            worker.put(LatentItem(request, latent, 0))
+    worker.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert calls == []  # held: nobody needs audio yet
+        worker.put(LatentItem(new, latent, 0))
+        worker.first_frames_due = False
+        async with asyncio.timeout(TIMEOUT):
+            while len(calls) < 2:
+                await asyncio.sleep(0.005)
+        assert calls[0] == ([new.decoder_slot], 1)
+        # 7 streams ahead, 16 row-frames a call: 2 frames each.
+        assert calls[1][1] == 2 and len(calls[1][0]) == len(ahead), calls
+        worker.first_frames_due = True  # due for good: the streams ahead still get their audio
+        async with asyncio.timeout(TIMEOUT):
+            while sum(len(slots) * frames for slots, frames in calls[1:]) < 4 * len(ahead):
+                await asyncio.sleep(0.005)
+    finally:
+        worker.stop()
+        for stream in streams:
+            stream.cancel()
