@@ -25,21 +25,23 @@ class KVCache(Protocol):
         ...
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, max_period: float) -> torch.Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [..., H, D] by angle pos * freq_i.
-
-    positions has x's shape minus the last two dims. Computed in float32, as the reference does.
-    """
-    d = x.shape[-1]
+def rope_rotation(positions: torch.Tensor, head_dim: int, max_period: float) -> torch.Tensor:
+    """Unit complex numbers e^(i * pos * freq_k) [*positions.shape, 1, head_dim // 2] that rotate
+    interleaved pairs (x[2k], x[2k+1]) at each position. Computed once per pass in float32, as
+    the reference does, and shared by every layer's queries and keys."""
     freqs = torch.exp(
-        torch.arange(d // 2, device=x.device, dtype=torch.float32) * (-math.log(max_period) * 2 / d)
+        torch.arange(head_dim // 2, device=positions.device, dtype=torch.float32)
+        * (-math.log(max_period) * 2 / head_dim)
     )
     angles = positions.to(torch.float32)[..., None, None] * freqs
-    cos, sin = torch.cos(angles), torch.sin(angles)
-    pairs = x.view(*x.shape[:-1], d // 2, 2).float()
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
-    return rotated.to(x.dtype).view_as(x)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x [..., H, D] by `rotation` (`rope_rotation`): one complex
+    multiply, in float32."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
 class MultiheadAttention(nn.Module):
@@ -54,7 +56,6 @@ class MultiheadAttention(nn.Module):
         self,
         embed_dim: int,
         num_heads: int,
-        max_period: float,
         attn_dim: int | None = None,
         num_kv_heads: int | None = None,
     ):
@@ -70,22 +71,21 @@ class MultiheadAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = attn_dim // num_heads
         self.attn_dim = attn_dim
-        self.max_period = max_period
         # Fused q/k/v projection: the released weights store it as one matrix.
         kv_dim = num_kv_heads * self.head_dim
         self.in_proj = nn.Linear(embed_dim, attn_dim + 2 * kv_dim, bias=False)
         self.out_proj = nn.Linear(attn_dim, embed_dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int
+        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         lead = x.shape[:-1]
         projected = self.in_proj(x)
         q = projected[..., : self.attn_dim].reshape(*lead, self.num_heads, self.head_dim)
         kv = projected[..., self.attn_dim :].reshape(*lead, 2, self.num_kv_heads, self.head_dim)
         k, v = kv.unbind(dim=-3)
-        q = apply_rope(q, positions, self.max_period)
-        k = apply_rope(k, positions, self.max_period)
+        q = apply_rope(q, rotation)
+        k = apply_rope(k, rotation)
         out = cache.attend(layer, q, k, v)
         return self.out_proj(out.reshape(*lead, -1))
 
@@ -105,13 +105,12 @@ class TransformerLayer(nn.Module):
         d_model: int,
         num_heads: int,
         dim_feedforward: int,
-        max_period: float,
         layer_scale: float | None = None,
         attn_dim: int | None = None,
         num_kv_heads: int | None = None,
     ):
         super().__init__()
-        self.self_attn = MultiheadAttention(d_model, num_heads, max_period, attn_dim, num_kv_heads)
+        self.self_attn = MultiheadAttention(d_model, num_heads, attn_dim, num_kv_heads)
         self.norm1 = nn.LayerNorm(d_model, eps=1e-5)
         self.norm2 = nn.LayerNorm(d_model, eps=1e-5)
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=False)
@@ -124,9 +123,9 @@ class TransformerLayer(nn.Module):
             self.layer_scale_2 = LayerScale(d_model, layer_scale)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int
+        self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), positions, cache, layer))
+        x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rotation, cache, layer))
         update = self.linear2(F.gelu(self.linear1(self.norm2(x)), approximate="tanh"))
         return x + self.layer_scale_2(update)
 
@@ -146,7 +145,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             TransformerLayer(
-                d_model, num_heads, dim_feedforward, max_period, layer_scale, attn_dim, num_kv_heads
+                d_model, num_heads, dim_feedforward, layer_scale, attn_dim, num_kv_heads
             )
             for _ in range(num_layers)
         )
@@ -155,6 +154,7 @@ class Transformer(nn.Module):
         # What a key/value cache holds per position and layer: num_kv_heads x head_dim.
         self.num_kv_heads = attention.num_kv_heads
         self.head_dim = attention.head_dim
+        self.max_period = max_period
 
     @property
     def dtype(self) -> torch.dtype:
@@ -162,6 +162,8 @@ class Transformer(nn.Module):
         return self.layers[0].norm1.weight.dtype
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x [..., T, d_model] at `positions` (x's shape minus the last dim)."""
+        rotation = rope_rotation(positions, self.head_dim, self.max_period)
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, cache, index)
+            x = layer(x, rotation, cache, index)
         return x
