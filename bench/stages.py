@@ -11,6 +11,10 @@ decoder threads), which is what the engine does on the CPU.
     python bench/stages.py --model checkpoints/full [--batches 1,2,4,8,16] [--threads 1,2]
         [--dtype auto|float32|bfloat16]
 
+`--attention` instead compares the AR step at 16 rows with its decode attention read in place from
+per-row lanes (the engine's) and gathered from the pool per layer (the path before), interleaved
+on one thread, at each of `--contexts`.
+
 `--decoders` instead compares the Mimi decoder implementations on one thread (the checkpoint's
 `Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears) at
 16 rows x 1 frame and 8 rows x 4 frames: the variants run interleaved, and each reports the
@@ -152,6 +156,57 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
     return rows
 
 
+def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list[dict]:
+    """The AR step at 16 rows with its decode attention read from per-row lanes (the engine's,
+    `plan_lane_step`) against a padded gather from the pool per layer (`plan_step`, still the
+    single-request path's): one thread, the two interleaved on the same runner and pool, the
+    minimum and median thread CPU time over `repeats` calls each."""
+    from intone.engine.model_runner import GenerateInputs
+    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_lane_step, plan_step
+
+    torch.set_num_threads(1)
+    rows, results = 16, []
+    engine, _, _ = build(model_dir, "cpu", rows, max(contexts), {})
+    runner, latent_dim = engine.runner, engine.runner.flow_lm.latent_dim
+    for context in contexts:
+        per_row = context + 1
+        steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
+        order, positions, lanes = plan_lane_step(runner.lanes, steps, list(steps))
+        _, gather = plan_step(runner.pool, steps)
+        fixed = (torch.randn(rows, latent_dim), torch.randn(rows, latent_dim) * 0.5)
+        calls = {}
+        for name, attention in (("lanes", lanes), ("gather", gather)):
+            inputs = GenerateInputs(
+                fixed[0], positions, attention, fixed[1], torch.full((rows,), 1e9),
+                torch.tensor(order), rows,
+            )  # fmt: skip
+            calls[name] = lambda inputs=inputs: runner.generate_step(inputs)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for call in calls.values():
+            call()  # warm-up
+        for _ in range(repeats):
+            for name, call in calls.items():
+                cpu = time.thread_time()
+                call()
+                times[name].append(time.thread_time() - cpu)
+        for name, values in times.items():
+            row = {
+                "attention": name,
+                "rows": rows,
+                "context": context,
+                "cpu_ms_min": min(values) * 1000,
+                "cpu_ms_median": statistics.median(values) * 1000,
+            }
+            results.append(row)
+            print(
+                f"{name:6s} {rows} rows, context {context}: AR step {row['cpu_ms_min']:.1f} ms "
+                f"min, {row['cpu_ms_median']:.1f} ms median CPU ({repeats} calls)",
+                flush=True,
+            )
+    engine.close()
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -165,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--decoders", action="store_true", help="compare the decoder implementations only"
     )
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="compare the AR step's decode attention, lanes against a gather, at --contexts",
+    )
+    parser.add_argument("--contexts", default="80,150,250", help="positions per row (--attention)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--profile", type=int, default=None, help="print torch.profiler op tables at this batch"
@@ -174,6 +235,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = compare_decoders(args.model, args.repeats)
         if args.out:
             result = {"machine": machine_info("cpu"), "decoders": rows}
+            args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
+        return
+    if args.attention:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        rows = compare_attention(args.model, contexts, args.repeats)
+        if args.out:
+            result = {"machine": machine_info("cpu"), "attention": rows}
             args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
         return
     batches = [int(b) for b in args.batches.split(",")]

@@ -59,3 +59,26 @@ def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_pa
     assert 0 < run["server_ttfa_ms_p50"] <= run["ttfa_ms_p50"]
     assert 0 < run["server_ttfa_ms_p95"] <= run["ttfa_ms_p95"]
     assert "TTFA in the server" in (out / "results.md").read_text()
+
+
+def test_stages_smoke(tiny_checkpoint: Path, tmp_path: Path):
+    """`bench/stages.py` times both stages on the engine's own runner, and compares the AR
+    step's decode attention (lanes against a gather) on the same rows."""
+    script = [sys.executable, str(ROOT / "bench" / "stages.py"), "--model", str(tiny_checkpoint)]
+    stages, attention = tmp_path / "stages.json", tmp_path / "attention.json"
+    for args, out in (
+        (["--batches", "1,4", "--threads", "1", "--context", "20", "--repeats", "2"], stages),
+        (["--attention", "--contexts", "10,30", "--repeats", "2"], attention),
+    ):
+        proc = subprocess.run(
+            [*script, *args, "--out", str(out)], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(stages.read_text())["rows"]
+    assert [(r["threads"], r["batch"]) for r in rows] == [(1, 1), (1, 4)]
+    assert all(r["ar_ms"] > 0 and r["decode_ms"] > 0 for r in rows)
+    compared = json.loads(attention.read_text())["attention"]
+    assert {(r["attention"], r["context"]) for r in compared} == {
+        (name, context) for name in ("lanes", "gather") for context in (10, 30)
+    }
+    assert all(0 < r["cpu_ms_min"] <= r["cpu_ms_median"] for r in compared)
