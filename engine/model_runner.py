@@ -1,11 +1,12 @@
 """The tensor work of the two engine stages, on batches the schedulers formed.
 
 Each stage has two halves. `*_inputs` builds a step's inputs on the host from the requests' page
-tables and moves them to the device; `*_step` is device math only: every tensor it takes lives on
-the model's device, it creates none on the host and reads nothing back. The host reads (EOS
-flags, audio) happen after a step, in the engine. That keeps each step free of data-dependent
-Python and of host-device mixing, the precondition for replaying it as a CUDA graph; a CPU test
-runs the steps on the `meta` device to hold that line.
+tables and moves them to the device (for an AR step it also seats each row's context in its
+lane, `KVLanes`, copying in what the lane lacks); `*_step` is device math only: every tensor it
+takes lives on the model's device, it creates none on the host and reads nothing back. The host
+reads (EOS flags, audio) happen after a step, in the engine. That keeps each step free of
+data-dependent Python and of host-device mixing, the precondition for replaying it as a CUDA
+graph; a CPU test runs the steps on the `meta` device to hold that line.
 
 The runner never changes page bookkeeping: the engine extends a request's page table (under its
 lock) before asking for a step, so a failed step can be retried on the same pages.
