@@ -228,6 +228,7 @@ class Engine:
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
+                "kv_lanes_bytes": lambda: self.runner.lanes.nbytes,
                 "active_requests": lambda: self.scheduler.active,
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,

@@ -990,6 +990,7 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     for key in (
         "kv_pages_in_use",
         "kv_pages_total",
+        "kv_lanes_bytes",
         "active_requests",
         "decoder_states_in_use",
         "prefill_batch_mean",
@@ -1009,6 +1010,11 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     assert m["generate_batch_mean"] > 1.0, m
     assert m["generate_batches"] < 4 * 5, m
     assert m["requests_completed"] == 4
+    # The AR rows' lanes: as many as the largest step had rows, each as long as the longest
+    # context, every layer's keys and values.
+    lanes = engine.runner.lanes
+    assert 2 <= lanes.keys.shape[1] <= 4 and lanes.capacity >= max(lanes.lengths)
+    assert m["kv_lanes_bytes"] == 2 * lanes.keys.numel() * lanes.keys.element_size() > 0
 
     families = {f.name: f for f in text_string_to_metric_families(engine.prometheus().decode())}
     assert "intone_kv_pages_in_use" in families

@@ -103,6 +103,11 @@ class KVLanes:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the lanes hold (they grow to the largest step seen, and stay)."""
+        return self.keys.nbytes + self.values.nbytes
+
     def seat(
         self, histories: list[torch.Tensor], owners: list[object | None], length: int
     ) -> list[int]:
