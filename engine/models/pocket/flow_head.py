@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from intone.engine.models.pocket.config import FLOW_TYPES
 
@@ -41,12 +42,8 @@ class LayerNorm(nn.Module):
             self.bias = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = x.mean(dim=-1, keepdim=True)
-        var = x.var(dim=-1, unbiased=False, keepdim=True)
-        x = (x - mean) / torch.sqrt(var + self.eps)
-        if hasattr(self, "weight"):
-            x = x * self.weight + self.bias
-        return x
+        weight, bias = getattr(self, "weight", None), getattr(self, "bias", None)
+        return F.layer_norm(x, x.shape[-1:], weight, bias, self.eps)
 
 
 class TimestepEmbedder(nn.Module):
