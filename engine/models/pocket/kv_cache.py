@@ -149,9 +149,15 @@ class KVLanes:
             self.lengths[lane] = len(histories[row]) + 1
         return sorted(range(rows), key=lane_of.__getitem__)
 
-    def store(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store row i's new key/value [rows, kv_heads, D] at positions[i] of lane i."""
-        lanes = torch.arange(k.shape[0], device=k.device)
+    def store(
+        self,
+        layer: int,
+        lanes: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store new keys/values [rows, kv_heads, D] at positions[i] of lane lanes[i]."""
         self.keys[layer, lanes, :, positions] = k
         self.values[layer, lanes, :, positions] = v
 
@@ -319,13 +325,14 @@ class LaneAttention:
     pool: KVPool
     lanes: KVLanes
     write_slots: torch.Tensor  # [B]: each row's new position in the pool
+    rows: torch.Tensor  # [B]: 0 .. B - 1, row i's lane, made once for every layer
     positions: torch.Tensor  # [B]: the same position in the row's lane
     length: int  # keys read per row: the longest row, maybe rounded up
     bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.write_slots, k, v)
-        self.lanes.store(layer, self.positions, k, v)
+        self.lanes.store(layer, self.rows, self.positions, k, v)
         rows, heads, dim = q.shape
         kv_heads = k.shape[1]
         keys, values = self.lanes.context(layer, rows, self.length)
@@ -354,6 +361,7 @@ def plan_lane_step(
         lanes.pool,
         lanes,
         torch.cat([s.slots[-1:] for s in steps]).to(device),
+        torch.arange(len(steps), device=device),
         positions.to(device),
         longest,
         bias[:, None, None].to(device),
