@@ -16,8 +16,9 @@ per-row lanes (the engine's) and gathered from the pool per layer (the path befo
 on one thread, at each of `--contexts`.
 
 `--decoders` instead compares the Mimi decoder implementations on one thread (the checkpoint's
-`Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears) at
-16 rows x 1 frame and 8 rows x 4 frames: the variants run interleaved, and each reports the
+`Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears, and the
+latter with its SEANet run on the whole batch at once instead of in groups of rows) at 16 rows x
+1 frame, 8 and 16 rows x 4 frames: the variants run interleaved, and each reports the
 minimum over `--repeats` calls of its thread CPU time and of its wall time, per row-frame (the
 minimum and CPU time so that other load on a shared machine disturbs the comparison least).
 """
@@ -123,9 +124,10 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
         "mimi": mimi,
         "gemm": GemmDecoder(mimi),
         "gemm-int8": GemmDecoder(mimi, int8=True),
+        "gemm-int8-whole": GemmDecoder(mimi, int8=True, seanet_group_values=2**62),
     }
     rows = []
-    for batch, frames in ((16, 1), (8, 4)):
+    for batch, frames in ((16, 1), (8, 4), (16, 4)):
         latents = torch.randn(batch, frames, mimi.quantizer.output_proj.in_channels)
         states = {name: d.init_decoder_state(batch) for name, d in decoders.items()}
         best = {name: [float("inf"), float("inf")] for name in decoders}
@@ -148,7 +150,7 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
             }
             rows.append(row)
             print(
-                f"{name:10s} {batch:2d} rows x {frames} frames: "
+                f"{name:15s} {batch:2d} rows x {frames} frames: "
                 f"{row['cpu_ms_per_row_frame']:.2f} ms CPU, {row['wall_ms_per_row_frame']:.2f} ms "
                 f"wall per row-frame (min of {repeats})",
                 flush=True,

@@ -9,7 +9,11 @@ from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.conv import State
-from intone.engine.models.pocket.gemm_decoder import GemmDecoder, winograd_matrices
+from intone.engine.models.pocket.gemm_decoder import (
+    SEANET_GROUP_VALUES,
+    GemmDecoder,
+    winograd_matrices,
+)
 
 
 def select_rows(state: State, rows: list[int]) -> State:
@@ -60,19 +64,23 @@ def decode_in_calls(decoder, latents: torch.Tensor, frames_per_call: list[int]) 
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "full"])
+@pytest.mark.parametrize("group_values", [SEANET_GROUP_VALUES, 1])
 @torch.no_grad()
-def test_gemm_decoder_equals_mimi(checkpoint: str, tiny_model: LoadedModel, request):
+def test_gemm_decoder_equals_mimi(
+    checkpoint: str, group_values: int, tiny_model: LoadedModel, request
+):
     """The engine's CPU decoder computes Mimi.decode: calls of 1 to 6 frames (past its 4-frame
-    ring), 20 frames in all (past the transformer's 250-step window)."""
+    ring), 20 frames in all (past the transformer's 250-step window); with the SEANet on the
+    whole batch at once and on one row at a time (each row's histories advance in place)."""
     if checkpoint == "full":
         model = load_model(request.getfixturevalue("full_checkpoint")).model
     else:
         model = tiny_model.model
     mimi = model.mimi
-    latents = torch.randn(2, 20, mimi.quantizer.output_proj.in_channels)
+    latents = torch.randn(3, 20, mimi.quantizer.output_proj.in_channels)
     calls = [1, 2, 6, 4, 3, 1, 3]
     want = decode_in_calls(mimi, latents, calls)
-    got = decode_in_calls(GemmDecoder(mimi), latents, calls)
+    got = decode_in_calls(GemmDecoder(mimi, seanet_group_values=group_values), latents, calls)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
