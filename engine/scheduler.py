@@ -3,8 +3,8 @@
 A stream holds a row (an AR batch slot and a decoder row) only while it has text to speak. An
 open stream with no text pending sits in `idle` and costs nothing but its saved decoder history;
 text moves it to `waiting`, and admission gives it a row. When its clause ends and no text is
-pending, or when it is far ahead of playback while others wait for a row, it gives the row back
-(`park`).
+pending, or when it is not due for a step (ahead of playback or of the decoder, `Need`) while
+others wait for a row, it gives the row back (`park`).
 
 Each iteration:
 1. running requests between clauses start their next clause if their KV pages can be reserved
@@ -14,7 +14,11 @@ Each iteration:
    that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
    its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill;
-3. every generating request that pacing does not hold joins one AR step.
+3. AR steps come in bursts: once a prefill pass runs or some generating row is due for a step
+   (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
+   none may; then no step runs until a row is due again. An AR step's cost is mostly per step,
+   not per row (the 2M model on one core: 9 ms for one row, 20 ms for 64), so rows that came
+   due one by one would each pay it.
 
 A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
 `schedule` hands it back in `Batch.failed` and goes on with the others.
@@ -29,6 +33,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.model_runner import ModelRunner
@@ -36,6 +41,14 @@ from intone.engine.options import ClauseProgress
 from intone.engine.sequence import Phase, Request
 
 logger = logging.getLogger(__name__)
+
+
+class Need(Enum):
+    """How much a generating row needs its next AR step."""
+
+    NONE = "none"  # held by pacing, or far enough ahead of the decoder: it takes no step
+    SOON = "soon"  # it may take one: it steps in a burst, but starts none
+    NOW = "now"  # it is due: a burst starts
 
 
 @dataclass
@@ -76,6 +89,7 @@ class Scheduler:
         # count against max_active, so a new request always finds a free row.
         self.releasing: set[str] = set()
         self.voices: dict[str, VoicePrefix] = {}
+        self.bursting = False  # the last batch had an AR step: rows step on while they may
 
     @property
     def active(self) -> int:
@@ -187,9 +201,15 @@ class Scheduler:
 
     # ---- batches
 
-    def schedule(self, held: Callable[[Request], bool], lead: Callable[[Request], float]) -> Batch:
+    def schedule(
+        self,
+        held: Callable[[Request], bool],
+        lead: Callable[[Request], float],
+        need: Callable[[Request], Need],
+    ) -> Batch:
         """The next batch. `held(request)`: pacing holds it back now; `lead(request)`: seconds
-        of its audio ahead of playback (for priority)."""
+        of its audio ahead of playback (for priority); `need(request)`: how much it needs its
+        next AR step (one that is not due gives its row to a waiting stream at a clause end)."""
         failed: list[tuple[Request, Exception]] = []
         parked: list[Request] = []
 
@@ -209,10 +229,12 @@ class Scheduler:
             if not request.pending and not request.input_ended:
                 self.park(request)  # nothing to say for now: the row is someone else's
                 parked.append(request)
+            elif request.pending and self.waiting and need(request) is not Need.NOW:
+                # Not due while others wait for a row: let them have it.
+                self.park(request)
+                parked.append(request)
             elif request.pending and held(request):
-                if self.waiting:  # far ahead while others wait for a row: let them have it
-                    self.park(request)
-                    parked.append(request)
+                continue  # far ahead: its next clause starts once playback catches up
             elif request.pending and try_start(request) is False:
                 short_of_pages = True
                 break
@@ -247,7 +269,11 @@ class Scheduler:
                     break
                 prefill.append(request)
                 tokens += request.prompt.shape[0]
-        generate = [r for r in self.running if r.phase is Phase.GENERATING and not held(r)]
+        needs = [(r, need(r)) for r in self.running if r.phase is Phase.GENERATING]
+        generate = []
+        if prefill or self.bursting or any(n is Need.NOW for _, n in needs):
+            generate = [r for r, n in needs if n is not Need.NONE]
+        self.bursting = bool(generate)
         return Batch(prefill, generate, failed, parked)
 
     def _rows_by_tenant(self) -> dict[str | None, int]:

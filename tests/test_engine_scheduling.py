@@ -563,3 +563,55 @@ async def test_paced_decoder_keeps_itself_free_for_a_first_latent(make_engine) -
         worker.stop()
         for stream in streams:
             stream.cancel()
+
+
+async def test_rows_ahead_of_the_decoder_take_no_steps(make_engine, reference: Reference) -> None:
+    """When the decoder is the slower stage, a row stops stepping with a few decode calls'
+    latents not yet decoded (its steps would only take the decoder's cores), and its audio is
+    unchanged."""
+    engine = make_engine(lead_s=None)
+    slow_decoder(engine, 0.05)
+    ahead: list[int] = []
+    generate = engine.runner.generate
+
+    def recorded(requests, noise):
+        ahead.extend(r.frames_generated - r.frames_delivered for r in requests)
+        return generate(requests, noise)
+
+    engine.runner.generate = recorded
+    opts = options(12, 0.3, max_frames=40)
+    outcome = await run_request(engine, TEXTS[0], "default", opts)
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "a row ahead of the decoder")
+    call = engine.config.max_decode_frames
+    assert max(ahead) < 3 * call, f"a row stepped {max(ahead)} latents ahead of the decoder"
+
+
+async def test_a_row_that_may_step_waits_for_one_that_must(make_engine) -> None:
+    """AR steps come in bursts: a paced row a little under its lead takes no step of its own,
+    and rides along when another row is due (here a new stream's)."""
+    engine = make_engine(lead_s=0.8)
+    frame_s = 1920 / 24000
+    paced = engine.stream(None, options(13, max_frames=60))
+    paced.report_playback(0.0)
+    paced.push_text(TEXTS[2])
+
+    async def settle() -> int:
+        """Frames generated once they stop growing."""
+        before = -1
+        while (frames := paced.request.frames_generated) != before:
+            before = frames
+            await asyncio.sleep(0.15)
+        return frames
+
+    held = await asyncio.wait_for(settle(), TIMEOUT)
+    assert held * frame_s > 0.8
+    # 0.7 s ahead now: under lead_s, so it may step, but not under 3/4 of it, so it is not due.
+    paced.report_playback(held * frame_s - 0.7)
+    await asyncio.sleep(0.4)
+    assert paced.request.frames_generated == held, "a row that was not due stepped alone"
+    new = engine.stream(None, options(14, max_frames=20))
+    new.push_text(TEXTS[0])
+    new.end_input()
+    await asyncio.wait_for(drain(new), TIMEOUT)
+    assert paced.request.frames_generated > held, "the row did not ride along with a due one"
+    paced.cancel()
