@@ -28,13 +28,13 @@ from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.gemm_decoder import make_decoder
 from intone.engine.models.pocket.kv_cache import (
     KVLanes,
-    LaneAttention,
     SequenceStep,
     SlotAttention,
     plan_lane_step,
     plan_step,
 )
 from intone.engine.models.pocket.model import PocketTTS
+from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.sequence import Request
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
@@ -60,7 +60,7 @@ class GenerateInputs:
 
     previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
     positions: torch.Tensor
-    attention: LaneAttention
+    attention: KVCache  # the engine's LaneAttention; bench/stages.py --attention also a gather
     noise: torch.Tensor  # [B', latent_dim]
     eos_thresholds: torch.Tensor  # [B']
     order: torch.Tensor  # [B']
