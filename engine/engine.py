@@ -639,19 +639,21 @@ class Engine:
         only take its cores); now once it is down to `DUE_DECODER_CALLS` of them and, paced,
         under `DUE_LEAD_SHARE` of `lead_s` ahead of playback; soon in between. A row that comes
         due starts a burst of steps (`Scheduler.schedule`) that every row that may step joins
-        until it may not: steps are few and large, not one per row as each comes due."""
+        until it may not: steps are few and large, not one per row as each comes due. Between
+        clauses only pacing counts (a stream not due then gives its row to a waiting one): the
+        latents still to decode say how far the decoder lags, not how soon the listener needs
+        the next clause."""
         if self._held(request, t):
             return Need.NONE
+        lead_s = self.config.lead_s
+        paced_due = lead_s is None or self._lead(request, t) < DUE_LEAD_SHARE * lead_s
+        if request.phase is not Phase.GENERATING:
+            return Need.NOW if paced_due else Need.SOON
         undecoded = request.frames_generated - request.frames_delivered
         call = self.config.max_decode_frames
         if undecoded >= AHEAD_OF_DECODER_CALLS * call:
             return Need.NONE
-        lead_s = self.config.lead_s
-        if undecoded < DUE_DECODER_CALLS * call and (
-            lead_s is None or self._lead(request, t) < DUE_LEAD_SHARE * lead_s
-        ):
-            return Need.NOW
-        return Need.SOON
+        return Need.NOW if paced_due and undecoded < DUE_DECODER_CALLS * call else Need.SOON
 
     def _leads(self) -> list[float]:
         t = now()

@@ -3,8 +3,8 @@
 A stream holds a row (an AR batch slot and a decoder row) only while it has text to speak. An
 open stream with no text pending sits in `idle` and costs nothing but its saved decoder history;
 text moves it to `waiting`, and admission gives it a row. When its clause ends and no text is
-pending, or when it is not due for a step (ahead of playback or of the decoder, `Need`) while
-others wait for a row, it gives the row back (`park`).
+pending, or when it is not due (far enough ahead of playback, `Need`) while others wait for a
+row, it gives the row back (`park`).
 
 Each iteration:
 1. running requests between clauses start their next clause if their KV pages can be reserved
