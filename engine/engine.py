@@ -89,9 +89,8 @@ PACING_POLL_S = 0.02
 # When a generating row takes AR steps (`Engine._need`): latents not yet decoded, in decode
 # calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and under
 # which it is due; and the share of `lead_s` under which a paced row is due. Measured with the
-# 2M model on 2 AVX2 cores (c=48, as fast as possible, two alternating runs each): AR rows per
-# step 11-12 -> 18-19, the AR thread's CPU 0.67-0.70 -> 0.54-0.56 cores, 39.6-42.1 -> 49.3-53.7
-# audio-s/s (bench/results/cpu-2core-ar-bursts/).
+# 2M model on 2 AVX2 cores (c=48, as fast as possible): AR rows per step 11-12 -> 18-20, the AR
+# thread's CPU 0.67-0.70 -> 0.54-0.56 cores (bench/results/cpu-2core-ar-bursts/).
 AHEAD_OF_DECODER_CALLS = 3
 DUE_DECODER_CALLS = 2
 DUE_LEAD_SHARE = 0.75
