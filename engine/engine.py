@@ -631,7 +631,7 @@ class Engine:
         return lead_s is not None and self._lead(request, t) > lead_s
 
     def _need(self, request: Request, t: float) -> Need:
-        """How much a generating row needs its next AR step (see `Need`).
+        """How much a stream holding a row needs its next AR step (see `Need`).
 
         None while pacing holds it or while it has `AHEAD_OF_DECODER_CALLS` decode calls' worth
         of latents not yet decoded (the decoder is the slower stage: steps taken further ahead

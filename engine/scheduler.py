@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class Need(Enum):
-    """How much a generating row needs its next AR step."""
+    """How much a stream holding a row needs its next AR step (a clause end counts too)."""
 
     NONE = "none"  # held by pacing, or far enough ahead of the decoder: it takes no step
     SOON = "soon"  # it may take one: it steps in a burst, but starts none
