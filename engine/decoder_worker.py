@@ -1,25 +1,28 @@
 """The decoder component: turns latents into audio, batching whatever is ready.
 
-It runs on its own thread, at its own pace. The AR thread puts four kinds of items on its queue,
-in each request's order: a latent, the end of a clause, a park (the request gives its decoder row
-up until it has text again: its history is saved) and the end of the request. Before every
-decode call the worker takes whatever has arrived on its queue, so a new stream's first latent
-goes into the very next call. A call decodes rows with the same number of latents, earliest
-deadline first: the streams waiting for their first frame, alone in a call of their own (short,
-so first audio never waits for other streams' backlogs); else the stream with the least audio
-buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading latents,
-up to `max_frames_per_call`), and the streams with at least that many latents waiting ride along,
-least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered), only
-streams near one ride along, so its call stays short; when every stream is (past capacity), calls
-are as large as they can be. With playback pacing on (`paced`), when no stream is near an
-underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one full-batch
-frame's time), and while a stream's first latent is being computed (`first_frames_due`, set by
-the AR stage around a prefill pass) the worker starts no such call at all: it waits, re-checking
-every `HOLD_RECHECK_S`, so that first latent finds the decoder free instead of behind a long call
-of audio nobody needs yet. So a stream that just started, or has only its last latents left,
-is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by size,
-a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
-held back to the smallest backlog of all.
+A stream's first frame is decoded where its latent is computed, on the AR thread, from a fresh
+history outside the state pool (`decode_first_frames`): first audio waits for no decode call in
+flight. Past capacity, at full size with 8 streams, such a call took 100-350 ms, and first latents
+waited behind it. The worker sees a stream only after that frame.
+
+Everything after it runs on the worker's own thread, at its own pace. The AR thread puts four
+kinds of items on its queue, in each request's order: a latent, the end of a clause, a park (the
+request gives its decoder row up until it has text again: its history is saved) and the end of
+the request. Before every decode call the worker takes whatever has arrived on its queue. A call
+decodes rows with the same number of latents, earliest deadline first: the stream with the least
+audio buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading
+latents, up to `max_frames_per_call`), and the streams with at least that many latents waiting
+ride along, least buffered first. When that stream is near an underrun (less than `URGENT_S`
+buffered), only streams near one ride along, so its call stays short; when every stream is (past
+capacity), calls are as large as they can be. With playback pacing on (`paced`), when no stream
+is near an underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one
+full-batch frame's time), and while a stream's first latent and frame are being computed
+(`first_frames_due`, set by the AR stage around a prefill pass) the worker starts no such call at
+all: it waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a core free instead
+of sharing it with a long call of audio nobody needs yet. So a stream that has only its last
+latents left is never kept behind streams with bigger backlogs (with groups of equal backlogs
+chosen by size, a stream's last frames waited 1-2 s behind the others' at full size, 8 streams),
+and no row is held back to the smallest backlog of all.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -178,7 +181,7 @@ class DecoderWorker:
             rows = self._next_rows()
             if not rows:
                 return bool(self._pending)
-            for row, audio in self._decode_with_retry(rows):
+            for row, audio in self._decode_with_retry(rows, self._decode):
                 self._deliver(row, audio)
         return False
 
@@ -186,25 +189,19 @@ class DecoderWorker:
         """The rows of the next call, each with the same number of frames; earliest deadline
         first.
 
-        Streams waiting for their first frame go first, and alone: a call of only their rows
-        is short, so first audio waits for no other stream's backlog (a call of every row with
-        four frames takes ~200 ms at full size). Else the stream with the least audio buffered
-        ahead of its listener sets the call's frames (its leading latents), and the streams
-        with at least that many latents waiting ride along, least buffered first: if it is near
-        an underrun, only those near one too. Paced and with nobody near one: calls of at most
-        `max_batch` row-frames, and none while a first latent is due."""
+        The stream with the least audio buffered ahead of its listener sets the call's frames
+        (its leading latents), and the streams with at least that many latents waiting ride
+        along, least buffered first: if it is near an underrun, only those near one too, so its
+        call stays short. Paced and with nobody near one: calls of at most `max_batch`
+        row-frames, and none while a first latent is due."""
         t = now()
         waiting = []  # (buffered, leading latents, items), least buffered first
         for items in self._pending.values():
             if count := self._leading_latents(items):
-                waiting.append((self._buffered(items, t), count, items))
+                waiting.append((items[0].request.playback.buffered(t), count, items))
         if not waiting:
             return []
         waiting.sort(key=lambda row: row[0])
-        first = [(count, items) for buffered, count, items in waiting if buffered < 0]
-        if first:
-            counts = [count for count, _ in first]
-            return self._take_rows(min(counts), [items for _, items in first])
         head, frames, _ = waiting[0]
         if self.paced and head >= URGENT_S:
             if self.first_frames_due:
@@ -222,12 +219,6 @@ class DecoderWorker:
         """`count` leading latents of each of the first `max_batch` of `rows`."""
         return [[items.popleft() for _ in range(count)] for items in rows[: self.max_batch]]
 
-    @staticmethod
-    def _buffered(items: deque[Item], t: float) -> float:
-        """Seconds the request's listener has buffered; below zero before its first frame."""
-        request = items[0].request
-        return -1.0 if request.frames_delivered == 0 else request.playback.buffered(t)
-
     def _leading_latents(self, items: deque[Item]) -> int:
         count = 0
         for item in items:
@@ -236,12 +227,26 @@ class DecoderWorker:
             count += 1
         return count
 
+    def decode_first_frames(self, items: list[LatentItem]) -> None:
+        """Decode and deliver new streams' first latents now, on the caller's thread (the AR
+        thread, right after it computed them), each from a fresh history outside the pool: first
+        audio waits for no decode call in flight (at full size with 8 streams past capacity, a
+        call took 100-350 ms). The worker sees a stream only after its first frame; it restores
+        the history into a slot with the stream's next latent."""
+        rows = [[item] for item in items if not dropped(item.request)]
+        for row, audio in self._decode_with_retry(rows, self._decode_fresh):
+            self._deliver(row, audio)
+
     def _decode_with_retry(
-        self, rows: list[list[LatentItem]]
+        self,
+        rows: list[list[LatentItem]],
+        decode: Callable[[list[list[LatentItem]]], torch.Tensor],
     ) -> list[tuple[list[LatentItem], torch.Tensor]]:
         """Decode `rows` together; if that fails, each alone, failing only rows that fail alone."""
+        if not rows:
+            return []
         try:
-            return list(zip(rows, self._decode(rows), strict=True))
+            return list(zip(rows, decode(rows), strict=True))
         except Exception as e:
             if len(rows) == 1:
                 self._fail(rows[0], e)
@@ -252,7 +257,7 @@ class DecoderWorker:
         done = []
         for row in rows:
             try:
-                done.append((row, self._decode([row])[0]))
+                done.append((row, decode([row])[0]))
             except Exception as e:
                 self._fail(row, e)
         return done
@@ -306,11 +311,19 @@ class DecoderWorker:
                     states.restore(request.decoder_slot, request.decoder_saved)
                     request.decoder_saved = None
         slots = [row[0].request.decoder_slot for row in rows]
-        latents = torch.stack([torch.stack([item.latent for item in row]) for row in rows])
         started = time.perf_counter()
-        audio = self.runner.decode(slots, latents).cpu()
+        audio = self.runner.decode(slots, stack_latents(rows)).cpu()
         self.metrics.step("decode", len(rows), time.perf_counter() - started)
         return audio
+
+    def _decode_fresh(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+        """`_decode` for streams that have no history yet, outside the pool."""
+        started = time.perf_counter()
+        audio, histories = self.runner.decode_fresh(stack_latents(rows))
+        self.metrics.step("decode", len(rows), time.perf_counter() - started)
+        for row, history in zip(rows, histories, strict=True):
+            row[0].request.decoder_saved = history
+        return audio.cpu()
 
     def _deliver(self, row: list[LatentItem], samples: torch.Tensor) -> None:
         request = row[0].request
@@ -328,6 +341,11 @@ class DecoderWorker:
             self.metrics.audio(seconds)
             if not dropped(request):
                 request.sink(AudioChunk(frame.numpy(), item.clause))
+
+
+def stack_latents(rows: list[list[LatentItem]]) -> torch.Tensor:
+    """[rows, frames, latent_dim]: rows of equal length."""
+    return torch.stack([torch.stack([item.latent for item in row]) for row in rows])
 
 
 def dropped(request: Request) -> bool:

@@ -768,15 +768,15 @@ class Engine:
 
         self._rows_generating = len(prefill) + len(generate)
         if prefill:
-            # The decoder keeps itself free for a stream's first latent while it is computed.
-            self.decoder.first_frames_due = any(r.frames_delivered == 0 for r in prefill)
+            # The decoder keeps a core free while a stream's first latent and frame are computed.
+            self.decoder.first_frames_due = any(r.frames_generated == 0 for r in prefill)
             try:
                 first = run("prefill", "prefill", self.runner.prefill, prefill)
                 for request, _ in first:
                     request.prompt = None
                     request.phase = Phase.GENERATING
-                # New streams' first latents go to the decoder now, not after the other rows'
-                # step: their first frames decode while that step runs.
+                # Before the other rows' step: new streams' first frames are decoded now, and
+                # the other prefilled latents reach the decoder while that step runs.
                 self._emit(first)
             finally:
                 self.decoder.first_frames_due = False
@@ -784,17 +784,27 @@ class Engine:
             self._emit(run("generate", "AR step", self.runner.generate, generate))
 
     def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
-        """Hand a pass's latents and clause ends to the decoder, in each request's order."""
+        """Hand a pass's latents and clause ends to the decoder, in each request's order; a
+        stream's first latent is decoded here and now (`DecoderWorker.decode_first_frames`)."""
+        kept = {request.id: request.progress.advance(is_eos) for request, (_, is_eos) in done}
+        first = [
+            LatentItem(request, latent, request.clause.index)
+            for request, (latent, _) in done
+            if kept[request.id] and request.frames_generated == 0
+        ]
+        if first:
+            self.decoder.decode_first_frames(first)
+        firsts = {item.request.id for item in first}
         ended = []
-        for request, (latent, is_eos) in done:
+        for request, (latent, _) in done:
             assert request.progress is not None and request.clause is not None
-            keep = request.progress.advance(is_eos)
-            if keep:
+            if kept[request.id]:
                 request.previous_latent = latent
                 request.latents.append(latent)
                 request.frames_generated += 1
                 request.in_decoder = True
-                self.decoder.put(LatentItem(request, latent, request.clause.index))
+                if request.id not in firsts:
+                    self.decoder.put(LatentItem(request, latent, request.clause.index))
             if request.progress.ended:
                 clause = request.clause
                 eos = request.progress.eos_step

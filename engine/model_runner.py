@@ -294,6 +294,20 @@ class ModelRunner:
         bounds = [rows * i // count for i in range(count + 1)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
+    @torch.no_grad()
+    def decode_fresh(
+        self, latents: torch.Tensor
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Waveform [B, T * samples_per_frame] of new rows' first latents [B, T, latent_dim],
+        each row on a fresh history of its own outside the pool (so it waits for no call on
+        the pool in flight), and each row's history after it, to restore into a slot
+        (`DecoderStatePool.restore`)."""
+        with self._busy():
+            state = self.decoder.init_decoder_state(latents.shape[0], self.device)
+            audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
+        histories = [{name: t[row] for name, t in state.items()} for row in range(len(latents))]
+        return audio[:, 0], histories
+
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
         """`decode_step` for rows in any order: the audio comes back in the caller's order."""
         # Rows in slot order: a batch holding a run of slots reads their decoder state in place.

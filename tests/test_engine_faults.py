@@ -73,7 +73,7 @@ def inject(engine, stage: str, culprit) -> dict:
     """Make `stage` raise on every call involving the culprit from its `after`-th call on (so
     the culprit has produced something first), batched calls and the row-by-row retry alike."""
     counts = {"calls": 0, "raised": 0}
-    after = {"start_clause": 1, "prefill": 1, "ar_step": 3, "noise": 3, "decode": 2}[stage]
+    after = {"start_clause": 1, "prefill": 1, "ar_step": 3, "noise": 3, "decode": 2}.get(stage, 0)
 
     def trip(involved: bool) -> None:
         if involved:
@@ -122,6 +122,23 @@ def inject(engine, stage: str, culprit) -> dict:
             return decode(slots, latents)
 
         engine.runner.decode = faulty_decode
+    elif stage == "first_frame":
+        # The first frame is decoded outside the pool from latents alone: know the culprit's
+        # by its value, taken from the prefill pass that computed it.
+        prefill, decode_fresh = engine.runner.prefill, engine.runner.decode_fresh
+        first: list[torch.Tensor] = []
+
+        def recorded_prefill(requests, noise):
+            latents, eos = prefill(requests, noise)
+            first.extend(latents[i] for i, r in enumerate(requests) if r is culprit)
+            return latents, eos
+
+        def faulty_decode_fresh(latents):
+            trip(any(torch.equal(row[0], first[0]) for row in latents) if first else False)
+            return decode_fresh(latents)
+
+        engine.runner.prefill = recorded_prefill
+        engine.runner.decode_fresh = faulty_decode_fresh
     return counts
 
 
@@ -168,7 +185,9 @@ def check_bystanders(results, reference: Reference, skip: int | None) -> None:
         check_outcome(outcome, reference, text, voice, opts, f"stream {i}")
 
 
-@pytest.mark.parametrize("stage", ["start_clause", "prefill", "ar_step", "noise", "decode"])
+@pytest.mark.parametrize(
+    "stage", ["start_clause", "prefill", "ar_step", "noise", "decode", "first_frame"]
+)
 async def test_a_fault_ends_only_its_request(make_engine, reference: Reference, stage: str) -> None:
     engine = make_engine()
     floor = voice_pages(engine)

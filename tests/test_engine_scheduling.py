@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -242,56 +243,60 @@ async def test_next_clause_starts_before_the_previous_audio_is_delivered(make_en
     assert prefills[1] < delivered[0], "clause 2 waited for clause 1's audio"
 
 
-async def test_a_new_streams_first_frame_is_decoded_next(make_engine) -> None:
+async def test_a_new_streams_first_frame_waits_for_no_decode_call(
+    make_engine, reference: Reference
+) -> None:
+    """A new stream's first frame is decoded where its latent was computed, from a fresh
+    history: it arrives while a long decode call of the other streams' backlog is still in
+    flight, and the stream's audio is unchanged (its history carries on in a decoder slot)."""
     engine = make_engine(lead_s=None, max_decode_frames=4)
-    slow_decoder(engine, 0.02)
-    calls: list[list[int]] = []
+    in_flight = threading.Event()
+    calls_done = 0
     decode = engine.runner.decode
 
-    def recorded(slots, latents):
-        calls.append(list(slots))
-        return decode(slots, latents)
+    def slow(slots, latents):
+        nonlocal calls_done
+        in_flight.set()
+        time.sleep(0.5)
+        try:
+            return decode(slots, latents)
+        finally:
+            calls_done += 1
+            in_flight.clear()
 
-    engine.runner.decode = recorded
+    engine.runner.decode = slow
     busy = [engine.stream(None, options(10 + i, max_frames=80)) for i in range(4)]
     for stream in busy:
         stream.push_text(TEXTS[2])
         stream.end_input()
     for stream in busy:
         await asyncio.wait_for(stream.__anext__(), TIMEOUT)
-    await asyncio.sleep(0.3)  # a backlog builds up behind the slow decoder
-    assert engine.metrics()["decoder_queue_depth"] + sum(len(c) for c in calls) > 0
-    new = engine.stream(None, options(20, max_frames=40))  # still decoding when we look
-    first_put: list[int] = []
-    put = engine.decoder.put
-
-    def put_recorded(item) -> None:
-        if item.request is new.request and not first_put:
-            first_put.append(len(calls))
-        put(item)
-
-    engine.decoder.put = put_recorded
+    async with asyncio.timeout(TIMEOUT):
+        while not in_flight.is_set():
+            await asyncio.sleep(0.005)
+    opts = options(20, 0.3, max_frames=12)
+    new = engine.stream(None, opts)
+    done_at_push = calls_done
     new.push_text(TEXTS[0])
     new.end_input()
-    await asyncio.wait_for(new.__anext__(), TIMEOUT)
-    slot = new.request.decoder_slot
-    (n0,) = first_put
-    first_call = next(i for i, slots in enumerate(calls) if i >= n0 and slot in slots)
-    # The call that was already running when the latent arrived, or the next one.
-    assert first_call <= n0 + 1, (n0, first_call, calls[n0 : first_call + 1])
-    for stream in [*busy, new]:
+    first = await asyncio.wait_for(new.__anext__(), TIMEOUT)
+    assert isinstance(first, AudioChunk)
+    assert calls_done == done_at_push, "the first frame waited for the decode call in flight"
+    outcome = Outcome([first, *await drain(new)])
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "first frame outside the pool")
+    for stream in busy:
         stream.cancel()
 
 
-async def test_a_new_streams_first_latent_reaches_the_decoder_before_the_others_step(
+async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
     make_engine,
 ) -> None:
-    """The prefill pass's latents go to the decoder at once, so a new stream's first frame
-    decodes while the AR stage steps the other rows, instead of after that step."""
+    """The prefill pass's first latents are decoded at once, so a new stream's first audio
+    waits for the prefill pass only, not for the AR step of the other rows after it."""
     engine = make_engine(lead_s=None)
     events: list[str] = []
     runner = engine.runner
-    prefill, generate, put = runner.prefill, runner.generate, engine.decoder.put
+    prefill, generate, decode_fresh = runner.prefill, runner.generate, runner.decode_fresh
 
     def recorded_prefill(requests, noise):
         result = prefill(requests, noise)
@@ -303,27 +308,28 @@ async def test_a_new_streams_first_latent_reaches_the_decoder_before_the_others_
         events.append("generate")
         return result
 
+    def recorded_decode_fresh(latents):
+        result = decode_fresh(latents)
+        events.append("first frame")
+        return result
+
     runner.prefill, runner.generate = recorded_prefill, recorded_generate
+    runner.decode_fresh = recorded_decode_fresh
     busy = engine.stream(None, options(70, max_frames=80))
     busy.push_text(TEXTS[2])
     busy.end_input()
     await asyncio.wait_for(busy.__anext__(), TIMEOUT)
+    events.clear()
     new = engine.stream(None, options(71, max_frames=4))
-
-    def recorded_put(item) -> None:
-        if item.request is new.request and isinstance(item, LatentItem):
-            events.append("new latent")
-        put(item)
-
-    engine.decoder.put = recorded_put
     new.push_text(TEXTS[0])
     new.end_input()
     await asyncio.wait_for(drain(new), TIMEOUT)
     busy.cancel()
-    start = max(i for i, e in enumerate(events) if e == "prefill" and "new latent" in events[i:])
+    start = events.index("prefill")
     # The busy stream was generating, so the new stream's prefill shared an iteration with an
-    # AR step; the new latent came between the two passes.
-    assert events[start : start + 3] == ["prefill", "new latent", "generate"], events[start:]
+    # AR step; the new stream's first frame was decoded between the two passes.
+    assert events[start : start + 3] == ["prefill", "first frame", "generate"], events[start:]
+    assert events.count("first frame") == 1, events
 
 
 def recording_worker(
@@ -380,7 +386,7 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
     *ahead, behind = [stream.request for stream in streams]
     t = time.perf_counter()
     for request, buffered in [*[(r, ahead_s) for r in ahead], (behind, 0.05)]:
-        request.frames_delivered = 1  # past its first frame, which goes first anyway
+        request.frames_delivered = 1  # past its first frame (decoded outside the worker)
         request.playback.deliver(buffered, t)
     await decode_backlogs(worker, calls, [*[(r, 4) for r in ahead], (behind, 1)], calls=2)
     # The stream behind (the only one with one latent) sets the first call's frames; the
@@ -503,33 +509,12 @@ async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
     await wait_idle(engine, floor)
 
 
-async def test_first_frames_are_decoded_in_a_call_of_their_own(make_engine) -> None:
-    """Streams waiting for their first frame are decoded alone, however many frames the other
-    rows with the same backlog have waiting: first audio does not wait on a long call."""
-    engine = make_engine()
-    worker, calls = recording_worker(engine)
-    streams = [engine.stream(None, options(60 + i)) for i in range(6)]
-    requests = [stream.request for stream in streams]
-    *ahead, new_long, new_short = requests
-    t = time.perf_counter()
-    for request in ahead:
-        request.frames_delivered = 1
-        request.playback.deliver(2.0, t)
-    backlogs = [*[(r, 4) for r in ahead], (new_long, 4), (new_short, 2)]
-    await decode_backlogs(worker, calls, backlogs, calls=3)
-    # The two new streams alone (two frames each: what both have), then the one that has more
-    # (it is near an underrun now), then the streams ahead.
-    assert [(len(slots), frames) for slots, frames in calls[:3]] == [(2, 2), (1, 2), (4, 4)]
-    assert set(calls[1][0]) < set(calls[0][0])
-    for stream in streams:
-        stream.cancel()
-
-
 async def test_paced_decoder_keeps_itself_free_for_a_first_latent(make_engine) -> None:
     """With pacing on and every stream seconds ahead of its listener, the decoder starts no
-    call while a stream's first latent is being computed, and then decodes it at once; calls
-    of streams ahead are kept to `max_batch` row-frames. A stream that comes near an underrun
-    during the hold is decoded all the same: the hold never starves anybody."""
+    call while a stream's first latent and frame are being computed (on the AR thread), and
+    then decodes that stream's next latent at once; calls of streams ahead are kept to
+    `max_batch` row-frames. A stream that comes near an underrun during the hold is decoded all
+    the same: the hold never starves anybody."""
     engine = make_engine()
     worker, calls = recording_worker(engine, paced=True)
     streams = [engine.stream(None, options(70 + i)) for i in range(8)]
@@ -538,6 +523,8 @@ async def test_paced_decoder_keeps_itself_free_for_a_first_latent(make_engine) -
     for request in ahead:
         request.frames_delivered = 1
         request.playback.deliver(0.9, t)  # near an underrun (URGENT_S) in 0.4 s
+    new.frames_delivered = 1  # its first frame, decoded by the AR thread
+    new.playback.deliver(0.08, t)
     worker.first_frames_due = True
     latent = torch.zeros(worker.runner.flow_lm.latent_dim)
     for request in ahead:
