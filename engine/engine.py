@@ -732,28 +732,12 @@ class Engine:
                 self._finish(request, error=failed(stage, error))
 
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
-        """One packed prefill pass, which also takes each prefilled clause's first AR step, and
-        one AR step for the other rows; a failure is pinned on the rows that fail alone."""
-        rows, noise, failures = [], [], []
-        for request in prefill + generate:
-            try:
-                noise.append(self.runner.draw_noise(request))
-                rows.append(request)
-            except Exception as e:
-                failures.append((request, e))
-        self._fail_rows("drawing noise", failures)
-        if not rows:
-            return
-        noise_of = {request.id: row for request, row in zip(rows, noise, strict=True)}
-        prefill = [r for r in prefill if r.id in noise_of]
-        generate = [r for r in generate if r.id in noise_of]
-        with self._lock:
-            for request in prefill:
-                assert request.table is not None and request.prompt is not None
-                self.blocks.extend(request.table, request.prompt.shape[0] + 1)
-            for request in generate:
-                assert request.table is not None
-                self.blocks.extend(request.table, 1)
+        """One packed prefill pass, which also takes each prefilled clause's first AR step, then
+        one AR step for the other rows and the prefilled ones; a failure is pinned on the rows
+        that fail alone."""
+        noise_of: dict[str, torch.Tensor] = {}
+        prefill = self._prepare(prefill, noise_of)
+        generate = self._prepare(generate, noise_of)
 
         def run(stage: str, what: str, call, batch: list[Request]) -> list:
             def step(rows: list[Request]) -> list[tuple[torch.Tensor, bool]]:
@@ -780,8 +764,37 @@ class Engine:
                 self._emit(first)
             finally:
                 self.decoder.first_frames_due = False
+            # The prefilled rows join that step: a clause's second latent comes a step sooner
+            # (its first frame plays for one frame's time only, 80 ms).
+            with self._lock:
+                t = now()
+                joining = [
+                    r
+                    for r, _ in first
+                    if r.phase is Phase.GENERATING and self._need(r, t) is not Need.NONE
+                ]
+            generate += self._prepare(joining, noise_of)
         if generate:
             self._emit(run("generate", "AR step", self.runner.generate, generate))
+
+    def _prepare(self, requests: list[Request], noise_of: dict[str, torch.Tensor]) -> list[Request]:
+        """Draw each row's noise for its next pass (into `noise_of`) and extend its pages by the
+        positions that pass writes; the rows that are ready (a failure is pinned on its row)."""
+        ready, failures = [], []
+        for request in requests:
+            try:
+                noise_of[request.id] = self.runner.draw_noise(request)
+                ready.append(request)
+            except Exception as e:
+                failures.append((request, e))
+        self._fail_rows("drawing noise", failures)
+        with self._lock:
+            for request in ready:
+                assert request.table is not None
+                # A prompt pass writes the prompt and the first latent; an AR step one latent.
+                positions = 1 if request.prompt is None else request.prompt.shape[0] + 1
+                self.blocks.extend(request.table, positions)
+        return ready
 
     def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
         """Hand a pass's latents and clause ends to the decoder, in each request's order; a

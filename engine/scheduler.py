@@ -13,7 +13,8 @@ Each iteration:
    audio ahead of playback), then the rest, first come first served among equals. A request
    that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
    its row cap is passed over.
-2. every started clause that still needs its prompt pass joins one packed prefill;
+2. every started clause that still needs its prompt pass joins one packed prefill (and then,
+   in the engine, that iteration's AR step: a clause's second latent comes a step sooner);
 3. AR steps come in bursts: once a prefill pass runs or some generating row is due for a step
    (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
    none may; then no step runs until a row is due again. An AR step's cost is mostly per step,

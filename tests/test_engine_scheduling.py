@@ -292,7 +292,8 @@ async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
     make_engine,
 ) -> None:
     """The prefill pass's first latents are decoded at once, so a new stream's first audio
-    waits for the prefill pass only, not for the AR step of the other rows after it."""
+    waits for the prefill pass only, not for the AR step of the other rows after it; and the
+    prefilled row joins that step, so its second latent waits for no further step."""
     engine = make_engine(lead_s=None)
     events: list[str] = []
     runner = engine.runner
@@ -305,7 +306,7 @@ async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
 
     def recorded_generate(requests, noise):
         result = generate(requests, noise)
-        events.append("generate")
+        events.append("generate" + (" with new" if new.request in requests else ""))
         return result
 
     def recorded_decode_fresh(latents):
@@ -316,19 +317,20 @@ async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
     runner.prefill, runner.generate = recorded_prefill, recorded_generate
     runner.decode_fresh = recorded_decode_fresh
     busy = engine.stream(None, options(70, max_frames=80))
+    new = engine.stream(None, options(71, max_frames=4))  # text comes later
     busy.push_text(TEXTS[2])
     busy.end_input()
     await asyncio.wait_for(busy.__anext__(), TIMEOUT)
     events.clear()
-    new = engine.stream(None, options(71, max_frames=4))
     new.push_text(TEXTS[0])
     new.end_input()
     await asyncio.wait_for(drain(new), TIMEOUT)
     busy.cancel()
     start = events.index("prefill")
     # The busy stream was generating, so the new stream's prefill shared an iteration with an
-    # AR step; the new stream's first frame was decoded between the two passes.
-    assert events[start : start + 3] == ["prefill", "first frame", "generate"], events[start:]
+    # AR step, which the new stream joined; its first frame was decoded between the two passes.
+    want = ["prefill", "first frame", "generate with new"]
+    assert events[start : start + 3] == want, events[start:]
     assert events.count("first frame") == 1, events
 
 
