@@ -1,9 +1,11 @@
 """The decoder component: turns latents into audio, batching whatever is ready.
 
-A stream's first frame is decoded where its latent is computed, on the AR thread, from a fresh
-history outside the state pool (`decode_first_frames`): first audio waits for no decode call in
-flight. Past capacity, at full size with 8 streams, such a call took 100-350 ms, and first latents
-waited behind it. The worker sees a stream only after that frame.
+While the worker is busy, a new stream's first frames are decoded where their latents are
+computed, on the AR thread, from a history of the stream's own outside the state pool
+(`decode_first_frames`): first audio waits for no decode call in flight. Past capacity, at full
+size with 8 streams, such a call took 100-350 ms, and first latents waited behind it. The worker
+sees such a stream only after those frames. An idle worker decodes them itself, at once, split
+across cores while the AR thread steps on.
 
 Everything after it runs on the worker's own thread, at its own pace. The AR thread puts four
 kinds of items on its queue, in each request's order: a latent, the end of a clause, a park (the
@@ -118,6 +120,7 @@ class DecoderWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stop = False
+        self._decoding = False  # a call of the worker's own is running
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
@@ -132,6 +135,12 @@ class DecoderWorker:
 
     def put(self, item: Item) -> None:
         self.queue.put(item)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to decode and no call running: a latent put now is decoded at once. Read by
+        the AR thread, the worker's only source of latents."""
+        return not self._decoding and not self._pending and self.queue.empty()
 
     @property
     def alive(self) -> bool:
@@ -181,8 +190,12 @@ class DecoderWorker:
             rows = self._next_rows()
             if not rows:
                 return bool(self._pending)
-            for row, audio in self._decode_with_retry(rows, self._decode):
-                self._deliver(row, audio)
+            self._decoding = True
+            try:
+                for row, audio in self._decode_with_retry(rows, self._decode):
+                    self._deliver(row, audio)
+            finally:
+                self._decoding = False
         return False
 
     def _next_rows(self) -> list[list[LatentItem]]:
@@ -229,12 +242,12 @@ class DecoderWorker:
 
     def decode_first_frames(self, items: list[LatentItem]) -> None:
         """Decode and deliver new streams' first latents now, on the caller's thread (the AR
-        thread, right after it computed them), each from a fresh history outside the pool: first
+        thread, right after it computed them, while the worker is busy), outside the pool: first
         audio waits for no decode call in flight (at full size with 8 streams past capacity, a
-        call took 100-350 ms). The worker sees a stream only after its first frame; it restores
-        the history into a slot with the stream's next latent."""
+        call took 100-350 ms). Each row starts from a fresh history or the one its previous
+        first frame left; the worker restores that into a slot with the stream's next latent."""
         rows = [[item] for item in items if not dropped(item.request)]
-        for row, audio in self._decode_with_retry(rows, self._decode_fresh):
+        for row, audio in self._decode_with_retry(rows, self._decode_outside_pool):
             self._deliver(row, audio)
 
     def _decode_with_retry(
@@ -316,10 +329,12 @@ class DecoderWorker:
         self.metrics.step("decode", len(rows), time.perf_counter() - started)
         return audio
 
-    def _decode_fresh(self, rows: list[list[LatentItem]]) -> torch.Tensor:
-        """`_decode` for streams that have no history yet, outside the pool."""
+    def _decode_outside_pool(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+        """`_decode` for streams whose history is their own (`Request.decoder_saved`), not a
+        slot's: fresh before their first frame."""
         started = time.perf_counter()
-        audio, histories = self.runner.decode_fresh(stack_latents(rows))
+        histories = [row[0].request.decoder_saved for row in rows]
+        audio, histories = self.runner.decode_detached(stack_latents(rows), histories)
         self.metrics.step("decode", len(rows), time.perf_counter() - started)
         for row, history in zip(rows, histories, strict=True):
             row[0].request.decoder_saved = history

@@ -94,6 +94,10 @@ PACING_POLL_S = 0.02
 AHEAD_OF_DECODER_CALLS = 3
 DUE_DECODER_CALLS = 2
 DUE_LEAD_SHARE = 0.75
+# A new stream's first frames decoded on the AR thread while the decoder is busy, each right
+# after its latent (`Engine._emit`). Playback starts with the first, and the next must come
+# within 80 ms (its length) plus the listener's slack, not after a decode call in flight.
+FIRST_FRAMES_ON_AR = 2
 
 
 @dataclass(frozen=True)
@@ -751,31 +755,30 @@ class Engine:
             return done
 
         self._rows_generating = len(prefill) + len(generate)
-        if prefill:
-            # The decoder keeps a core free while a stream's first latent and frame are computed.
-            self.decoder.first_frames_due = any(r.frames_generated == 0 for r in prefill)
-            try:
+        # The decoder keeps a core free while new streams' first frames are computed.
+        self.decoder.first_frames_due = any(r.frames_generated == 0 for r in prefill)
+        try:
+            if prefill:
                 first = run("prefill", "prefill", self.runner.prefill, prefill)
                 for request, _ in first:
                     request.prompt = None
                     request.phase = Phase.GENERATING
-                # Before the other rows' step: new streams' first frames are decoded now, and
-                # the other prefilled latents reach the decoder while that step runs.
+                # Before the other rows' step, so they reach the decoder while that step runs.
                 self._emit(first)
-            finally:
-                self.decoder.first_frames_due = False
-            # The prefilled rows join that step: a clause's second latent comes a step sooner
-            # (its first frame plays for one frame's time only, 80 ms).
-            with self._lock:
-                t = now()
-                joining = [
-                    r
-                    for r, _ in first
-                    if r.phase is Phase.GENERATING and self._need(r, t) is not Need.NONE
-                ]
-            generate += self._prepare(joining, noise_of)
-        if generate:
-            self._emit(run("generate", "AR step", self.runner.generate, generate))
+                # The prefilled rows join that step: a clause's second latent comes a step sooner
+                # (a new stream's first frame plays for 80 ms only).
+                with self._lock:
+                    t = now()
+                    joining = [
+                        r
+                        for r, _ in first
+                        if r.phase is Phase.GENERATING and self._need(r, t) is not Need.NONE
+                    ]
+                generate += self._prepare(joining, noise_of)
+            if generate:
+                self._emit(run("generate", "AR step", self.runner.generate, generate))
+        finally:
+            self.decoder.first_frames_due = False
 
     def _prepare(self, requests: list[Request], noise_of: dict[str, torch.Tensor]) -> list[Request]:
         """Draw each row's noise for its next pass (into `noise_of`) and extend its pages by the
@@ -797,34 +800,37 @@ class Engine:
         return ready
 
     def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
-        """Hand a pass's latents and clause ends to the decoder, in each request's order; a
-        stream's first latent is decoded here and now (`DecoderWorker.decode_first_frames`)."""
-        kept = {request.id: request.progress.advance(is_eos) for request, (_, is_eos) in done}
-        first = [
-            LatentItem(request, latent, request.clause.index)
-            for request, (latent, _) in done
-            if kept[request.id] and request.frames_generated == 0
-        ]
-        if first:
-            self.decoder.decode_first_frames(first)
-        firsts = {item.request.id for item in first}
-        ended = []
-        for request, (latent, _) in done:
+        """Hand a pass's latents and clause ends to the decoder, in each request's order. While
+        the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents are decoded here
+        and now, each as soon as it is computed (`DecoderWorker.decode_first_frames`): the
+        decoder sees such a stream only after them."""
+        ended, first = [], []
+        decoder_idle = self.decoder.idle
+        for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
-            if kept[request.id]:
+            if request.progress.advance(is_eos):
                 request.previous_latent = latent
                 request.latents.append(latent)
                 request.frames_generated += 1
-                request.in_decoder = True
-                if request.id not in firsts:
-                    self.decoder.put(LatentItem(request, latent, request.clause.index))
+                item = LatentItem(request, latent, request.clause.index)
+                if request.in_decoder or decoder_idle:
+                    request.in_decoder = True
+                    self.decoder.put(item)
+                else:
+                    first.append(item)
             if request.progress.ended:
-                clause = request.clause
-                eos = request.progress.eos_step
-                done_event = ClauseDone(clause.index, clause.text, len(request.latents), eos)
-                request.in_decoder = True
-                self.decoder.put(ClauseEndItem(request, done_event))
                 ended.append(request)
+        if first:
+            self.decoder.decode_first_frames(first)
+            for item in first:
+                if item.request.frames_generated >= FIRST_FRAMES_ON_AR:
+                    item.request.in_decoder = True
+        for request in ended:
+            assert request.clause is not None and request.progress is not None
+            clause, eos = request.clause, request.progress.eos_step
+            done_event = ClauseDone(clause.index, clause.text, len(request.latents), eos)
+            request.in_decoder = True
+            self.decoder.put(ClauseEndItem(request, done_event))
         if ended:
             self._end_clauses(ended)
 

@@ -295,15 +295,19 @@ class ModelRunner:
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 
     @torch.no_grad()
-    def decode_fresh(
-        self, latents: torch.Tensor
+    def decode_detached(
+        self, latents: torch.Tensor, histories: list[dict[str, torch.Tensor] | None]
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """Waveform [B, T * samples_per_frame] of new rows' first latents [B, T, latent_dim],
-        each row on a fresh history of its own outside the pool (so it waits for no call on
-        the pool in flight), and each row's history after it, to restore into a slot
-        (`DecoderStatePool.restore`)."""
+        """Waveform [B, T * samples_per_frame] of latents [B, T, latent_dim] of rows that hold
+        no slot, each from its own history (a fresh one for None), outside the pool: it waits
+        for no call on the pool in flight. Returns each row's history after it, in the form
+        `DecoderStatePool.restore` takes."""
         with self._busy():
             state = self.decoder.init_decoder_state(latents.shape[0], self.device)
+            for row, history in enumerate(histories):
+                if history is not None:
+                    for name, tensor in state.items():
+                        tensor[row] = history[name]
             audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
         histories = [{name: t[row] for name, t in state.items()} for row in range(len(latents))]
         return audio[:, 0], histories

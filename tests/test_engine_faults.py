@@ -123,9 +123,11 @@ def inject(engine, stage: str, culprit) -> dict:
 
         engine.runner.decode = faulty_decode
     elif stage == "first_frame":
-        # The first frame is decoded outside the pool from latents alone: know the culprit's
-        # by its value, taken from the prefill pass that computed it.
-        prefill, decode_fresh = engine.runner.prefill, engine.runner.decode_fresh
+        # The culprit's first frame fails, whichever thread decodes it: the AR thread (while the
+        # decoder is busy: slowed here), outside the pool, from latents alone, so the culprit's
+        # is known by its value, taken from the prefill pass that computed it; or the decoder.
+        prefill, decode = engine.runner.prefill, engine.runner.decode
+        decode_detached = engine.runner.decode_detached
         first: list[torch.Tensor] = []
 
         def recorded_prefill(requests, noise):
@@ -133,12 +135,18 @@ def inject(engine, stage: str, culprit) -> dict:
             first.extend(latents[i] for i, r in enumerate(requests) if r is culprit)
             return latents, eos
 
-        def faulty_decode_fresh(latents):
-            trip(any(torch.equal(row[0], first[0]) for row in latents) if first else False)
-            return decode_fresh(latents)
+        def faulty_decode_detached(latents, histories):
+            trip(bool(first) and any(torch.equal(row[0], first[0]) for row in latents))
+            return decode_detached(latents, histories)
+
+        def faulty_slow_decode(slots, latents):
+            time.sleep(0.03)
+            trip(culprit.frames_delivered == 0 and culprit.decoder_slot in slots)
+            return decode(slots, latents)
 
         engine.runner.prefill = recorded_prefill
-        engine.runner.decode_fresh = faulty_decode_fresh
+        engine.runner.decode_detached = faulty_decode_detached
+        engine.runner.decode = faulty_slow_decode
     return counts
 
 

@@ -243,11 +243,11 @@ async def test_next_clause_starts_before_the_previous_audio_is_delivered(make_en
     assert prefills[1] < delivered[0], "clause 2 waited for clause 1's audio"
 
 
-async def test_a_new_streams_first_frame_waits_for_no_decode_call(
+async def test_a_new_streams_first_frames_wait_for_no_decode_call(
     make_engine, reference: Reference
 ) -> None:
-    """A new stream's first frame is decoded where its latent was computed, from a fresh
-    history: it arrives while a long decode call of the other streams' backlog is still in
+    """A new stream's first frames are decoded where their latents were computed, outside the
+    pool: they arrive while a long decode call of the other streams' backlog is still in
     flight, and the stream's audio is unchanged (its history carries on in a decoder slot)."""
     engine = make_engine(lead_s=None, max_decode_frames=4)
     in_flight = threading.Event()
@@ -279,25 +279,29 @@ async def test_a_new_streams_first_frame_waits_for_no_decode_call(
     done_at_push = calls_done
     new.push_text(TEXTS[0])
     new.end_input()
-    first = await asyncio.wait_for(new.__anext__(), TIMEOUT)
-    assert isinstance(first, AudioChunk)
-    assert calls_done == done_at_push, "the first frame waited for the decode call in flight"
-    outcome = Outcome([first, *await drain(new)])
+    first = [await asyncio.wait_for(new.__anext__(), TIMEOUT) for _ in range(2)]
+    assert all(isinstance(event, AudioChunk) for event in first), first
+    assert calls_done == done_at_push, "the first frames waited for the decode call in flight"
+    outcome = Outcome([*first, *await drain(new)])
     check_outcome(outcome, reference, TEXTS[0], "default", opts, "first frame outside the pool")
     for stream in busy:
         stream.cancel()
 
 
-async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
+async def test_a_new_streams_first_frames_are_decoded_as_their_latents_come(
     make_engine,
 ) -> None:
-    """The prefill pass's first latents are decoded at once, so a new stream's first audio
-    waits for the prefill pass only, not for the AR step of the other rows after it; and the
-    prefilled row joins that step, so its second latent waits for no further step."""
+    """A new stream's first latent is decoded at once, so its first audio waits for the
+    prefill pass only, not for the AR step of the other rows after it; the prefilled row joins
+    that step, and its second latent is decoded at once too (the first frame plays for 80 ms
+    only, too short to wait for a decode call in flight on the decoder thread)."""
     engine = make_engine(lead_s=None)
+    slow_decoder(engine, 0.05)  # busy with the other stream's backlog
     events: list[str] = []
     runner = engine.runner
-    prefill, generate, decode_fresh = runner.prefill, runner.generate, runner.decode_fresh
+    prefill, generate, decode_detached = runner.prefill, runner.generate, runner.decode_detached
+    busy = engine.stream(None, options(70, max_frames=80))
+    new = engine.stream(None, options(71, max_frames=6))  # text comes later
 
     def recorded_prefill(requests, noise):
         result = prefill(requests, noise)
@@ -309,15 +313,13 @@ async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
         events.append("generate" + (" with new" if new.request in requests else ""))
         return result
 
-    def recorded_decode_fresh(latents):
-        result = decode_fresh(latents)
-        events.append("first frame")
+    def recorded_decode_detached(latents, histories):
+        result = decode_detached(latents, histories)
+        events.append("fresh frame" if histories == [None] else "next frame")
         return result
 
     runner.prefill, runner.generate = recorded_prefill, recorded_generate
-    runner.decode_fresh = recorded_decode_fresh
-    busy = engine.stream(None, options(70, max_frames=80))
-    new = engine.stream(None, options(71, max_frames=4))  # text comes later
+    runner.decode_detached = recorded_decode_detached
     busy.push_text(TEXTS[2])
     busy.end_input()
     await asyncio.wait_for(busy.__anext__(), TIMEOUT)
@@ -328,10 +330,11 @@ async def test_a_new_streams_first_frame_is_decoded_before_the_others_step(
     busy.cancel()
     start = events.index("prefill")
     # The busy stream was generating, so the new stream's prefill shared an iteration with an
-    # AR step, which the new stream joined; its first frame was decoded between the two passes.
-    want = ["prefill", "first frame", "generate with new"]
-    assert events[start : start + 3] == want, events[start:]
-    assert events.count("first frame") == 1, events
+    # AR step, which the new stream joined.
+    want = ["prefill", "fresh frame", "generate with new", "next frame"]
+    assert events[start : start + 4] == want, events[start:]
+    mine = events[start:]
+    assert mine.count("fresh frame") == 1 and mine.count("next frame") == 1, mine
 
 
 def recording_worker(
