@@ -2,7 +2,9 @@
 
 Ownership: the caller's thread appends clauses and sets `input_ended`/`cancelled` under the
 engine lock (the decoder thread sets `error` under it too); the AR thread owns everything under
-"AR state"; the decoder thread owns `decoder_slot` and the delivery counters.
+"AR state"; the decoder thread owns `decoder_slot` and the delivery counters (the AR thread
+writes them itself for a stream's first frames, before the decoder thread has seen the stream:
+`DecoderWorker.decode_first_frames`).
 """
 
 from __future__ import annotations
