@@ -7,24 +7,24 @@ size with 8 streams, such a call took 100-350 ms, and first latents waited behin
 sees such a stream only after those frames. An idle worker decodes them itself, at once, split
 across cores while the AR thread steps on.
 
-Everything after it runs on the worker's own thread, at its own pace. The AR thread puts four
-kinds of items on its queue, in each request's order: a latent, the end of a clause, a park (the
-request gives its decoder row up until it has text again: its history is saved) and the end of
+Everything after those frames runs on the worker's own thread, at its own pace. The AR thread puts
+four kinds of items on its queue, in each request's order: a latent, the end of a clause, a park
+(the request gives its decoder row up until it has text again: its history is saved) and the end of
 the request. Before every decode call the worker takes whatever has arrived on its queue. A call
 decodes rows with the same number of latents, earliest deadline first: the stream with the least
 audio buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading
-latents, up to `max_frames_per_call`), and the streams with at least that many latents waiting
-ride along, least buffered first. When that stream is near an underrun (less than `URGENT_S`
-buffered), only streams near one ride along, so its call stays short; when every stream is (past
-capacity), calls are as large as they can be. With playback pacing on (`paced`), when no stream
-is near an underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one
-full-batch frame's time), and while a stream's first latent and frame are being computed
-(`first_frames_due`, set by the AR stage around a prefill pass) the worker starts no such call at
-all: it waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a core free instead
-of sharing it with a long call of audio nobody needs yet. So a stream that has only its last
-latents left is never kept behind streams with bigger backlogs (with groups of equal backlogs
-chosen by size, a stream's last frames waited 1-2 s behind the others' at full size, 8 streams),
-and no row is held back to the smallest backlog of all.
+latents, up to `max_frames_per_call`), and the streams with at least that many latents waiting ride
+along, least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered),
+only streams near one ride along, so its call stays short; when every stream is (past capacity),
+calls are as large as they can be. With playback pacing on (`paced`), when no stream is near an
+underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one full-batch frame's
+time), and while new streams' first latents and frames are being computed (`first_frames_due`, set
+by the AR stage around an iteration that prefills one) the worker starts no such call at all: it
+waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a core free instead of
+sharing it with a long call of audio nobody needs yet. So a stream that has only its last latents
+left is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by
+size, a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
+held back to the smallest backlog of all.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -103,7 +103,7 @@ class DecoderWorker:
     ):
         self.runner = runner
         self.paced = paced
-        # Set by the AR thread while a prefill pass computes a stream's first latent.
+        # Set by the AR thread while it computes new streams' first latents and frames.
         self.first_frames_due = False
         self.metrics = metrics
         self.sample_rate = sample_rate
