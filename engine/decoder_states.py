@@ -6,7 +6,9 @@ batch gathers its requests' rows into a contiguous batch state, runs, and scatte
 rows back, so requests that share a batch never see each other's history. Entries the decoder
 names in `in_place_state` are not copied: the batch state holds the whole pool tensor and `ROWS`
 the batch's slots, and the decoder reads and writes those rows in place. A slot is reset to a
-fresh history when it is handed out.
+fresh history when it is handed out. A new stream's first frames may be decoded before it holds a
+slot (`DecoderWorker.decode_first_frames`): on a `detached` state, whose rows come back in the saved
+form.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ class DecoderStatePool:
     def restore(self, slot: int, saved: dict[str, torch.Tensor]) -> None:
         for name, tensor in self.rows.items():
             tensor[slot] = saved[name]
+
+    def detached(self, histories: list[dict[str, torch.Tensor] | None]) -> State:
+        """A batch state of rows that hold no slot: row i from `histories[i]` (the form `save`
+        returns), or fresh for None. Decoding it touches no pool row."""
+        return {
+            name: torch.stack([self.fresh[name][0] if h is None else h[name] for h in histories])
+            for name in self.rows
+        }
+
+    @staticmethod
+    def histories(state: State) -> list[dict[str, torch.Tensor]]:
+        """Each row of a `detached` state after a decode, in the form `restore` takes."""
+        rows = next(iter(state.values())).shape[0]
+        return [{name: tensor[row] for name, tensor in state.items()} for row in range(rows)]
 
     def gather(self, slots: torch.Tensor) -> State:
         state = {

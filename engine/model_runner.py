@@ -303,14 +303,9 @@ class ModelRunner:
         for no call on the pool in flight. Returns each row's history after it, in the form
         `DecoderStatePool.restore` takes."""
         with self._busy():
-            state = self.decoder.init_decoder_state(latents.shape[0], self.device)
-            for row, history in enumerate(histories):
-                if history is not None:
-                    for name, tensor in state.items():
-                        tensor[row] = history[name]
+            state = self.decoder_states.detached(histories)
             audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
-        histories = [{name: t[row] for name, t in state.items()} for row in range(len(latents))]
-        return audio[:, 0], histories
+        return audio[:, 0], self.decoder_states.histories(state)
 
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
         """`decode_step` for rows in any order: the audio comes back in the caller's order."""
