@@ -73,7 +73,15 @@ def inject(engine, stage: str, culprit) -> dict:
     """Make `stage` raise on every call involving the culprit from its `after`-th call on (so
     the culprit has produced something first), batched calls and the row-by-row retry alike."""
     counts = {"calls": 0, "raised": 0}
-    after = {"start_clause": 1, "prefill": 1, "ar_step": 3, "noise": 3, "decode": 2}.get(stage, 0)
+    calls_before = {
+        "start_clause": 1,
+        "prefill": 1,
+        "ar_step": 3,
+        "noise": 3,
+        "decode": 2,
+        "first_frame": 0,  # it is the culprit's first audio: nothing comes before it
+    }
+    after = calls_before[stage]
 
     def trip(involved: bool) -> None:
         if involved:
