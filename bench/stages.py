@@ -87,8 +87,8 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
 
     slots = [runner.decoder_states.acquire() for _ in range(max_rows)]
 
-    def decode_call(rows: int):
-        latents = torch.randn(rows, 1, flow_lm.latent_dim, device=device)
+    def decode_call(rows: int, frames: int = 1):
+        latents = torch.randn(rows, frames, flow_lm.latent_dim, device=device)
 
         def call():
             runner.decode(slots[:rows], latents)
@@ -98,6 +98,36 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         return call
 
     return engine, ar_call, decode_call
+
+
+def decode_beside_ar(runner, ar, decode, row_frames: int, parts: int, repeats: int) -> dict:
+    """Decode calls split into `parts` while another thread steps the AR stage without pause:
+    what each stage gets done per second when both want the cores."""
+    runner.decode_parts = parts
+    stop, steps = threading.Event(), [0]
+
+    def step_ar() -> None:
+        while not stop.is_set():
+            ar()
+            steps[0] += 1
+
+    decode()  # warm-up (new shapes)
+    stepping = threading.Thread(target=step_ar)
+    stepping.start()
+    time.sleep(0.1)
+    steps_before, t, cpu = steps[0], time.perf_counter(), time.process_time()
+    for _ in range(repeats):
+        decode()
+    wall = time.perf_counter() - t
+    result = {
+        "decode_parts": parts,
+        "decode_row_frames_per_s": repeats * row_frames / wall,
+        "ar_steps_per_s": (steps[0] - steps_before) / wall,
+        "cores_used": (time.process_time() - cpu) / wall,
+    }
+    stop.set()
+    stepping.join()
+    return result
 
 
 def profile(ar, decode, repeats: int) -> None:
@@ -228,6 +258,12 @@ def main(argv: list[str] | None = None) -> None:
         help="compare the AR step's decode attention, lanes against a gather, at --contexts",
     )
     parser.add_argument("--contexts", default="80,150,250", help="positions per row (--attention)")
+    parser.add_argument(
+        "--decode-parts",
+        default=None,
+        help="decode split into these part counts while the AR stage steps beside it (e.g. 1,2)",
+    )
+    parser.add_argument("--frames", type=int, default=4, help="frames per row (--decode-parts)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--profile", type=int, default=None, help="print torch.profiler op tables at this batch"
@@ -259,7 +295,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile(ar_call(args.profile), decode_call(args.profile), args.repeats)
     rows = []
-    for threads in [int(t) for t in args.threads.split(",")]:
+    if args.decode_parts:
+        torch.set_num_threads(1)
+        for b in batches:
+            for parts in [int(p) for p in args.decode_parts.split(",")]:
+                row = {"batch": b, "frames": args.frames}
+                row |= decode_beside_ar(
+                    engine.runner, ar_call(b), decode_call(b, args.frames), b * args.frames,
+                    parts, args.repeats,
+                )  # fmt: skip
+                rows.append(row)
+                print(
+                    f"batch {b:2d} x {args.frames} frames, {parts} part(s), AR stepping beside: "
+                    f"decode {row['decode_row_frames_per_s']:.0f} row-frames/s, AR "
+                    f"{row['ar_steps_per_s']:.1f} steps/s, {row['cores_used']:.2f} cores",
+                    flush=True,
+                )
+        args.threads = ""
+    for threads in [int(t) for t in args.threads.split(",") if t]:
         torch.set_num_threads(threads)
         for b in batches:
             ar, dec = ar_call(b), decode_call(b)

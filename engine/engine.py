@@ -210,8 +210,8 @@ class Engine:
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
             thread_budget=budget,
-            # With the thread budget, a decode batch runs one part per core, each on one thread:
-            # unlike intra-op threads, parts keep the cores busy when the AR stage shares them.
+            # With the thread budget, a decode batch runs one part per free core, each on one
+            # thread: unlike intra-op threads, a part never stalls on a core another stage holds.
             decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
         )
         self.scheduler = Scheduler(

@@ -266,7 +266,8 @@ class ModelRunner:
         row's history advances only when the whole call succeeds.
 
         On a CPU with several cores a batch of `DECODE_SPLIT_ROWS` rows or more runs as one part
-        per core, concurrently, each on one thread (see `decode_parts`)."""
+        per core that no other stage holds, concurrently, each on one thread (see
+        `_decode_parts`)."""
         parts = self._decode_parts(index.shape[0])
         futures = [
             self._decode_pool.submit(self._decode_part, index[part], latents[part])
@@ -290,7 +291,9 @@ class ModelRunner:
             return state, self.decoder.decode(self.flow_lm.denormalize(latents), state)
 
     def _decode_parts(self, rows: int) -> list[slice]:
-        count = min(self.decode_parts, rows // DECODE_SPLIT_ROWS) or 1
+        """One part per core no other stage holds now (`ThreadBudget.free_cores`)."""
+        free = self.threads.free_cores() if self.threads else self.decode_parts
+        count = min(self.decode_parts, free, rows // DECODE_SPLIT_ROWS) or 1
         bounds = [rows * i // count for i in range(count + 1)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 

@@ -9,11 +9,18 @@ starts, sets its own thread's count (torch's count is per thread, OpenMP's) to t
 among the busy stages, all but one when it starts alone: the slower stage, busy more often
 alone, gets the spare cores. (On 2 cores that is one thread each, whatever the load.)
 
-A decode batch of enough rows runs as one part per core on threads of its own
-(`ModelRunner.decode_step`), each part counted busy like a stage. So when the AR stage idles the
-decoder has every core, and when it does not, the OS shares the cores among single-threaded
-parts, where intra-op threads would stall on the one that shares its core. Measured on 2 cores
-(closed loop, full size, 8 and 16 streams): 8.4 and 9.9 audio-s/s against 6.4 and 7.0 unsplit.
+A decode batch of enough rows runs as one part per free core (`free_cores`: those no busy stage
+holds as it starts) on threads of its own (`ModelRunner.decode_step`), each part counted busy like
+a stage. So when the AR stage idles the decoder has every core (measured on 2 cores, closed loop,
+full size, 8 and 16 streams: 8.4 and 9.9 audio-s/s against 6.4 and 7.0 unsplit). While the AR stage
+steps, a part would share the AR's core, and the AR stage computes new streams' first latents and
+frames: a split trades its steps for decoded frames (`bench/stages.py --decode-parts 1,2`, 2 cores,
+the AR stage stepping in a loop beside the decode, two parts against one: 2M at 32 x 4, seven
+pairs: -1% to +40% row-frames per second and 4-37% fewer AR steps; full size at 16 x 1, four pairs:
+-23% to +54% and 14-38% fewer). Not splitting then is the better trade: in the closed loop on 2
+cores, first audio came sooner (TTFA p50 2M at 16 streams 85 / 79 / 94 -> 63 / 60 / 77 ms, full
+size at 16 streams 342 / 254 / 294 -> 246 / 220 / 204 ms, three alternating pairs each) with no
+less audio per second.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ class ThreadBudget:
         if busy_stages <= 1:
             return max(1, self.cores - 1)
         return max(1, self.cores // busy_stages)
+
+    def free_cores(self) -> int:
+        """Cores no busy stage holds now (at least one)."""
+        return max(1, self.cores - self.busy_stages)
 
     @contextmanager
     def busy(self) -> Iterator[None]:

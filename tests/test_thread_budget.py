@@ -7,6 +7,9 @@ import threading
 import pytest
 import torch
 
+from intone.engine.block_manager import BlockManager
+from intone.engine.loading import LoadedModel
+from intone.engine.model_runner import ModelRunner
 from intone.engine.thread_budget import ThreadBudget
 
 
@@ -58,3 +61,33 @@ def test_stages_on_two_threads(restore_threads):
     # cores but one, the one that joined it gets half.
     assert sorted(seen) == [4, 7]
     assert budget.busy_stages == 0
+
+
+def test_a_decode_splits_only_over_cores_no_stage_holds(restore_threads, tiny_model: LoadedModel):
+    """A decode batch runs one part per core that no busy stage holds as it starts: two parts on
+    two idle cores, one while the AR stage steps (a part on its core would only share it)."""
+    model = tiny_model.model
+    budget = ThreadBudget(2)
+    runner = ModelRunner(
+        model, BlockManager(4, 16), 8, 1, torch.device("cpu"), thread_budget=budget,
+        decode_parts=2,
+    )  # fmt: skip
+    parts: list[int] = []
+    decode = runner.decoder.decode
+
+    def recorded(latents: torch.Tensor, state: dict) -> torch.Tensor:
+        parts.append(latents.shape[0])
+        return decode(latents, state)
+
+    runner.decoder.decode = recorded
+    try:
+        slots = [runner.decoder_states.acquire() for _ in range(8)]
+        latents = torch.zeros(8, 1, model.flow_lm.latent_dim)
+        runner.decode(slots, latents)
+        assert sorted(parts) == [4, 4]
+        parts.clear()
+        with budget.busy():  # the AR stage, stepping on this thread's core
+            runner.decode(slots, latents)
+        assert parts == [8]
+    finally:
+        runner.close()
