@@ -144,7 +144,8 @@ def profile(ar, decode, repeats: int) -> None:
 
 
 def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
-    """Per row-frame cost of each decoder implementation, one thread, interleaved calls."""
+    """Per row-frame cost of each decoder implementation, one thread, interleaved calls; the
+    one- and four-row calls show what a call costs apart from its row-frames."""
     from intone.engine.loading import load_model
     from intone.engine.models.pocket.gemm_decoder import GemmDecoder
 
@@ -157,7 +158,7 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
         "gemm-int8-whole": GemmDecoder(mimi, int8=True, seanet_group_values=2**62),
     }
     rows = []
-    for batch, frames in ((16, 1), (8, 4), (16, 4)):
+    for batch, frames in ((1, 1), (4, 1), (16, 1), (8, 4), (16, 4)):
         latents = torch.randn(batch, frames, mimi.quantizer.output_proj.in_channels)
         states = {name: d.init_decoder_state(batch) for name, d in decoders.items()}
         best = {name: [float("inf"), float("inf")] for name in decoders}
