@@ -295,25 +295,39 @@ def main(argv: list[str] | None = None) -> None:
     engine, ar_call, decode_call = build(args.model, args.device, max_rows, args.context, options)
     if args.profile:
         profile(ar_call(args.profile), decode_call(args.profile), args.repeats)
-    rows = []
+
+    def save(rows: list[dict]) -> None:
+        engine.close()
+        if args.out:
+            result = {"machine": machine_info(args.device), "options": options, "rows": rows}
+            args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
+
     if args.decode_parts:
         torch.set_num_threads(1)
-        for b in batches:
-            for parts in [int(p) for p in args.decode_parts.split(",")]:
-                row = {"batch": b, "frames": args.frames}
-                row |= decode_beside_ar(
-                    engine.runner, ar_call(b), decode_call(b, args.frames), b * args.frames,
-                    parts, args.repeats,
-                )  # fmt: skip
-                rows.append(row)
-                print(
-                    f"batch {b:2d} x {args.frames} frames, {parts} part(s), AR stepping beside: "
-                    f"decode {row['decode_row_frames_per_s']:.0f} row-frames/s, AR "
-                    f"{row['ar_steps_per_s']:.1f} steps/s, {row['cores_used']:.2f} cores",
-                    flush=True,
-                )
-        args.threads = ""
-    for threads in [int(t) for t in args.threads.split(",") if t]:
+        parts = [int(p) for p in args.decode_parts.split(",")]
+        rows = [
+            {"batch": b, "frames": args.frames}
+            | decode_beside_ar(
+                engine.runner,
+                ar_call(b),
+                decode_call(b, args.frames),
+                b * args.frames,
+                p,
+                args.repeats,
+            )
+            for b in batches
+            for p in parts
+        ]
+        for row in rows:
+            print(
+                f"batch {row['batch']:2d} x {args.frames} frames, {row['decode_parts']} part(s), "
+                f"AR stepping beside: decode {row['decode_row_frames_per_s']:.0f} row-frames/s, "
+                f"AR {row['ar_steps_per_s']:.1f} steps/s, {row['cores_used']:.2f} cores"
+            )
+        save(rows)
+        return
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for b in batches:
             ar, dec = ar_call(b), decode_call(b)
@@ -361,10 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['foreign_cpu_cores'] or 0:.2f} cores",
                 flush=True,
             )
-    engine.close()
-    if args.out:
-        result = {"machine": machine_info(args.device), "options": options, "rows": rows}
-        args.out.write_text(json.dumps(round_floats(result), indent=2) + "\n")
+    save(rows)
 
 
 if __name__ == "__main__":

@@ -210,8 +210,8 @@ class Engine:
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
             thread_budget=budget,
-            # With the thread budget, a decode batch runs one part per free core, each on one
-            # thread: unlike intra-op threads, a part never stalls on a core another stage holds.
+            # With the thread budget, a decode batch runs one part per core no other stage holds
+            # as it starts, each on one thread (intra-op threads stall on a core that is shared).
             decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
         )
         self.scheduler = Scheduler(
