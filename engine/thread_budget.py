@@ -13,14 +13,9 @@ A decode batch of enough rows runs as one part per free core (`free_cores`: thos
 holds as it starts) on threads of its own (`ModelRunner.decode_step`), each part counted busy like
 a stage. So when the AR stage idles the decoder has every core (measured on 2 cores, closed loop,
 full size, 8 and 16 streams: 8.4 and 9.9 audio-s/s against 6.4 and 7.0 unsplit). While the AR stage
-steps, a part would share the AR's core, and the AR stage computes new streams' first latents and
-frames: a split trades its steps for decoded frames (`bench/stages.py --decode-parts 1,2`, 2 cores,
-the AR stage stepping in a loop beside the decode, two parts against one: 2M at 32 x 4, seven
-pairs: -1% to +40% row-frames per second and 4-37% fewer AR steps; full size at 16 x 1, four pairs:
--23% to +54% and 14-38% fewer). Not splitting then is the better trade: in the closed loop on 2
-cores, first audio came sooner (TTFA p50 2M at 16 streams 85 / 79 / 94 -> 63 / 60 / 77 ms, full
-size at 16 streams 342 / 254 / 294 -> 246 / 220 / 204 ms, three alternating pairs each) with no
-less audio per second.
+steps, a part would share its core: the split trades AR steps, which give new streams their first
+latents and frames, for decoded frames, and first audio came sooner without it at no cost in audio
+per second (docs/benchmarks.md, the paragraph on decode parts).
 """
 
 from __future__ import annotations
