@@ -114,20 +114,21 @@ def decode_beside_ar(runner, ar, decode, row_frames: int, parts: int, repeats: i
     decode()  # warm-up (new shapes)
     stepping = threading.Thread(target=step_ar)
     stepping.start()
-    time.sleep(0.1)
-    steps_before, t, cpu = steps[0], time.perf_counter(), time.process_time()
-    for _ in range(repeats):
-        decode()
-    wall = time.perf_counter() - t
-    result = {
-        "decode_parts": parts,
-        "decode_row_frames_per_s": repeats * row_frames / wall,
-        "ar_steps_per_s": (steps[0] - steps_before) / wall,
-        "cores_used": (time.process_time() - cpu) / wall,
-    }
-    stop.set()
-    stepping.join()
-    return result
+    try:  # a failing decode must not leave the AR thread stepping forever
+        time.sleep(0.1)
+        steps_before, t, cpu = steps[0], time.perf_counter(), time.process_time()
+        for _ in range(repeats):
+            decode()
+        wall = time.perf_counter() - t
+        return {
+            "decode_parts": parts,
+            "decode_row_frames_per_s": repeats * row_frames / wall,
+            "ar_steps_per_s": (steps[0] - steps_before) / wall,
+            "cores_used": (time.process_time() - cpu) / wall,
+        }
+    finally:
+        stop.set()
+        stepping.join()
 
 
 def profile(ar, decode, repeats: int) -> None:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile(ar_call(args.profile), decode_call(args.profile), args.repeats)
 
-    def save(rows: list[dict]) -> None:
+    def close_and_save(rows: list[dict]) -> None:
         engine.close()
         if args.out:
             result = {"machine": machine_info(args.device), "options": options, "rows": rows}
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"AR stepping beside: decode {row['decode_row_frames_per_s']:.0f} row-frames/s, "
                 f"AR {row['ar_steps_per_s']:.1f} steps/s, {row['cores_used']:.2f} cores"
             )
-        save(rows)
+        close_and_save(rows)
         return
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{row['foreign_cpu_cores'] or 0:.2f} cores",
                 flush=True,
             )
-    save(rows)
+    close_and_save(rows)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,8 @@ def test_a_decode_splits_only_over_cores_no_stage_holds(restore_threads, tiny_mo
     model = tiny_model.model
     budget = ThreadBudget(2)
     runner = ModelRunner(
-        model, BlockManager(4, 16), 8, 1, torch.device("cpu"), thread_budget=budget,
-        decode_parts=2,
-    )  # fmt: skip
+        model, BlockManager(4, 16), 8, 1, torch.device("cpu"), thread_budget=budget, decode_parts=2
+    )
     parts: list[int] = []
     decode = runner.decoder.decode
 
