@@ -612,7 +612,7 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     # after such a batch the synchronizer is still catching up. Interrupt where the words being
     # played came at least `grace_s` ago, and a known word starts `margin_s` or more later; and
     # past the second clause, whose long words ("clause" lasts over a second) put LiveKit's
-    # syllable-rate estimate words away from the audio.
+    # syllable-rate estimate ahead of the audio.
     grace_s, margin_s, after_s = 0.5, 0.3, 6.4
     arrivals: list[float] = []  # when each timed word reached the output, in playback seconds
 
@@ -645,7 +645,8 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     # No word that had not begun, and every word that had ended a moment before the barge-in
     # (LiveKit's synchronizer commits a word around its end, so the word in progress, or one
     # that ended just before, may be missing).
-    heard = [w for w, _, end in timed if end <= position - margin_s]
+    commit_lag_s = 0.3
+    heard = [w for w, _, end in timed if end <= position - commit_lag_s]
     assert said == started[: len(said)] and len(said) >= len(heard), (
         f"{said=} {started=} {position=}"
     )
