@@ -167,3 +167,59 @@ def test_engine_decode_calls_equal_mimi_per_row(tiny_checkpoint):
                 torch.testing.assert_close(got[j], want, rtol=1e-5, atol=1e-5 * want.abs().max())
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("group_values", [SEANET_GROUP_VALUES, 1 << 14])
+@torch.no_grad()
+def test_traced_decoder_replays_the_eager_decoder_exactly(
+    tiny_model: LoadedModel, int8: bool, group_values: int
+):
+    """The traced decoder gives the eager one's audio and histories bit for bit, on calls whose
+    shapes differ from the call each trace was made on: 1 to 9 rows, 1 to 6 frames, rows of a
+    pool in one run (views) or scattered (gathered), and detached rows; with the SEANet in one
+    group and in groups of a few rows (the last one shorter). Traced on a key's first call,
+    and on its third (the first two eager)."""
+    mimi = tiny_model.model.mimi
+    decoders = [
+        GemmDecoder(mimi, int8=int8, seanet_group_values=group_values, trace_after=trace_after)
+        for trace_after in (None, 1, 3)
+    ]
+    pools = [DecoderStatePool(decoder, 12, torch.device("cpu")) for decoder in decoders]
+    for pool in pools:
+        for _ in range(12):
+            pool.acquire()
+    gen = torch.Generator().manual_seed(4)
+    calls = [
+        ("run", [0], 1),  # a trace made on one row, then calls of more
+        ("run", [3, 4], 1),
+        ("run", [0], 2),
+        ("scattered", [1, 5, 6, 11], 1),
+        ("run", list(range(2, 11)), 3),
+        ("detached", [0, 1, 2], 4),
+        ("scattered", [0, 7, 9], 6),
+        ("run", [5, 6, 7, 8, 9], 1),
+        ("scattered", [2, 4, 6, 8, 10, 11], 2),
+        ("detached", [0], 1),
+        ("run", [11], 1),
+    ]
+    for kind, rows, frames in calls:
+        latents = torch.randn(len(rows), frames, 32, generator=gen)
+        audio = []
+        for decoder, pool in zip(decoders, pools, strict=True):
+            if kind == "detached":
+                state = pool.detached([None] * len(rows))
+                audio.append(decoder.decode(latents, state))
+                continue
+            index = torch.tensor(rows)
+            state = pool.gather(index)
+            audio.append(decoder.decode(latents, state))
+            pool.scatter(index, state)
+        for other in audio[1:]:
+            assert torch.equal(other, audio[0]), (kind, rows, frames)
+    for pool in pools[1:]:
+        for name, tensor in pools[0].rows.items():
+            assert torch.equal(pool.rows[name], tensor), name
+    first_call, third_call = (decoder.traces for decoder in decoders[1:])
+    assert first_call is not None and third_call is not None
+    assert 0 < len(third_call) < len(first_call) < 2 * len(calls)

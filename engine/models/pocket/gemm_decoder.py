@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from intone.engine.models.pocket import traces
 from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
@@ -282,6 +283,8 @@ class RingKV:
     With `state[ROWS]`, the ring entries of `state` are a whole pool of rows and ROWS says which
     rows this batch is: the new keys go straight into the pool and attention gathers the rows'
     rings once, instead of the caller gathering them before and scattering them back after.
+    (`GemmDecoder` hands a batch whose rows are one ascending run over as views of the pool
+    instead, without ROWS: nothing to gather.)
     A call that fails after writing leaves keys at positions its row has not reached (its offset
     did not advance): a query never sees a later position, and the row's next call overwrites
     each such slot before it attends to it, so a failed call leaves no trace.
@@ -297,12 +300,6 @@ class RingKV:
         self.index = state.get(ROWS)
         rows = torch.arange(positions.shape[0], device=positions.device)
         self.rows = (rows if self.index is None else self.index)[:, None]
-        # Pool rows in one ascending run (the engine sorts a batch by slot) are a view: no gather.
-        self.run: slice | None = None
-        if self.index is not None:
-            first, last = int(self.index[0]), int(self.index[-1])
-            if last - first + 1 == len(self.index) and bool((self.index.diff() == 1).all()):
-                self.run = slice(first, last + 1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys = self.state[f"{self.prefix}.{layer}.keys"]
@@ -311,9 +308,7 @@ class RingKV:
         keys[self.rows, self.slots] = k
         values[self.rows, self.slots] = v
         key_pos[self.rows, self.slots] = self.positions
-        if self.run is not None:
-            keys, values, key_pos = keys[self.run], values[self.run], key_pos[self.run]
-        elif self.index is not None:
+        if self.index is not None:
             keys, values = keys[self.index], values[self.index]
             key_pos = key_pos[self.index]
         delta = self.positions[:, :, None] - key_pos[:, None, :]
@@ -337,6 +332,9 @@ class GemmDecoder:
     `int8`, the decoder transformer's linear layers run in int8 (`Int8Linear`): its output
     enters the residual stream through a small layer scale, so this costs little accuracy (the
     fast path's tolerance, tests/test_fast_path.py) and about a fifth of the decoder's time.
+    With `trace_after`, its two parts (the transformer, and the SEANet per group of rows) run as
+    TorchScript traces, one per frame count, from that many calls on (`traces.TraceCache`): the
+    same operators, without holding the GIL.
     """
 
     def __init__(
@@ -345,6 +343,7 @@ class GemmDecoder:
         max_frames: int = 4,
         int8: bool = False,
         seanet_group_values: int = SEANET_GROUP_VALUES,
+        trace_after: int | None = None,
     ):
         if mimi.quantizer.output_proj.kernel_size[0] != 1:
             raise ValueError("GemmDecoder needs a 1x1 quantizer output projection")
@@ -394,6 +393,9 @@ class GemmDecoder:
                 widest = max(widest, steps * layer.weights.shape[2])
         self.seanet_values_per_frame = widest
         self.seanet_group_values = seanet_group_values
+        self.traces = None
+        if trace_after is not None:
+            self.traces = traces.TraceCache(trace_after, modules=self.transformer)
 
     def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State:
         device = torch.device(device)
@@ -417,6 +419,46 @@ class GemmDecoder:
         if latents.shape[1] > self.max_frames:
             pieces = latents.split(self.max_frames, dim=1)
             return torch.cat([self.decode(piece, state) for piece in pieces], dim=-1)
+        state = self._pool_run_as_views(state)
+        frames = latents.shape[1]
+        # A trace made on one row records broadcasts over the batch as fixed shapes: one-row
+        # calls get traces of their own.
+        single = latents.shape[0] == 1
+        x = self._call(("transformer", frames, single), self._transformer_part, latents, state)
+        group = max(1, self.seanet_group_values // (frames * self.seanet_values_per_frame))
+        audio = []
+        for first in range(0, x.shape[0], group):
+            rows = slice(first, first + group)
+            # Views of the group's rows: each layer advances its history in place.
+            group_state = {key: state[key][rows] for key in self.seanet_keys}
+            y = x[rows]
+            key = ("seanet", frames, y.shape[0] == 1)
+            audio.append(self._call(key, self._seanet, y, group_state))
+        return torch.cat(audio).transpose(1, 2).contiguous()
+
+    def _call(
+        self, key: tuple, part: traces.StateFunction, x: torch.Tensor, state: State
+    ) -> torch.Tensor:
+        return part(x, state) if self.traces is None else self.traces(key, part, x, state)
+
+    def _pool_run_as_views(self, state: State) -> State:
+        """Pool rows in one ascending run (the engine sorts a batch by slot) as views of the pool,
+        without ROWS: read and written in place, with no gather."""
+        index = state.get(ROWS)
+        if index is None:
+            return state
+        first, last = int(index[0]), int(index[-1])
+        if last - first + 1 != len(index) or not bool((index.diff() == 1).all()):
+            return state
+        run = slice(first, last + 1)
+        return {
+            key: value[run] if key in self.in_place_state else value
+            for key, value in state.items()
+            if key != ROWS
+        }
+
+    def _transformer_part(self, latents: torch.Tensor, state: State) -> torch.Tensor:
+        """The output projection, the upsampling and the decoder transformer."""
         x = F.linear(latents, self.output_proj)
         x = self.upsample(x, state)
         offset = state["transformer.offset"]
@@ -425,27 +467,28 @@ class GemmDecoder:
         cache = RingKV(state, "transformer", self.transformer.context, positions)
         x = self.transformer.transformer(x, positions, cache)
         offset += steps
-        values = latents.shape[1] * self.seanet_values_per_frame
-        group = max(1, self.seanet_group_values // values)
-        audio = []
-        for first in range(0, x.shape[0], group):
-            rows = slice(first, first + group)
-            # Views of the group's rows: each layer advances its history in place.
-            group_state = {key: state[key][rows] for key in self.seanet_keys}
-            y = x[rows]
-            for layer in self.layers:
-                y = layer(y, group_state)
-            audio.append(y)
-        return torch.cat(audio).transpose(1, 2).contiguous()
+        return x
+
+    def _seanet(self, x: torch.Tensor, state: State) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, state)
+        return x
+
+
+# Calls of one shape (frame count, one row or more, pool rows in place or gathered) after which
+# the engine's decoder traces it: tracing costs what 20-40 eager calls do, so shapes called
+# only now and then stay eager (traces.py).
+TRACE_AFTER_CALLS = 20
 
 
 def make_decoder(mimi: Mimi, device: torch.device, int8: bool = False) -> Mimi | GemmDecoder:
-    """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears),
-    `Mimi` itself elsewhere (cuDNN convolutions)."""
+    """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears;
+    traced), `Mimi` itself elsewhere (cuDNN convolutions)."""
     if device.type != "cpu":
         return mimi
     try:
-        return GemmDecoder(mimi, int8=int8)
+        trace_after = TRACE_AFTER_CALLS if traces.available() else None
+        return GemmDecoder(mimi, int8=int8, trace_after=trace_after)
     except ValueError as e:
         logger.warning("Mimi decoder layout not supported by GemmDecoder (%s): eager path", e)
         return mimi
