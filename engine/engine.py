@@ -58,6 +58,7 @@ from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
+from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.precision import resolve_precision
@@ -146,6 +147,9 @@ class EngineConfig:
     max_frames: int | None = None  # per clause, on top of the model's own estimate
     flow_steps: int = 1
     max_decode_frames: int = 4  # latents per request per decode call, when several wait
+    # Calls of one shape after which the CPU decoder replays it as a TorchScript trace, which
+    # does not hold the GIL the AR thread needs (engine/models/pocket/traces.py); None: eager.
+    decoder_trace_after: int | None = TRACE_AFTER_CALLS
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
     keep_freed_memory: bool = True
@@ -160,8 +164,10 @@ class EngineConfig:
         for name in positive + ("max_decode_frames", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
-        if self.max_rows_per_tenant is not None and self.max_rows_per_tenant < 1:
-            raise ValueError("EngineConfig.max_rows_per_tenant must be >= 1 or None")
+        for name in ("max_rows_per_tenant", "decoder_trace_after"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1 or None")
         for name in ("idle_timeout_s", "lead_s", "max_unread_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -209,6 +215,7 @@ class Engine:
             self.device,
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
+            decoder_trace_after=config.decoder_trace_after,
             thread_budget=budget,
             # With the thread budget, a decode batch runs one part per core no other stage holds
             # as it starts, each on one thread (intra-op threads stall on a core that is shared).

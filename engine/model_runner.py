@@ -77,6 +77,7 @@ class ModelRunner:
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
         decoder_int8: bool = False,
+        decoder_trace_after: int | None = None,
         thread_budget: ThreadBudget | None = None,
         decode_parts: int = 1,
     ):
@@ -93,7 +94,9 @@ class ModelRunner:
         self.lanes = KVLanes(self.pool)
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
-        self.decoder = make_decoder(model.mimi, device, int8=decoder_int8)
+        self.decoder = make_decoder(
+            model.mimi, device, int8=decoder_int8, trace_after=decoder_trace_after
+        )
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
         # The input of a clause's first AR step: the BOS latent's embedding.
         with torch.no_grad():

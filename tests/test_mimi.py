@@ -223,3 +223,19 @@ def test_traced_decoder_replays_the_eager_decoder_exactly(
     first_call, third_call = (decoder.traces for decoder in decoders[1:])
     assert first_call is not None and third_call is not None
     assert 0 < len(third_call) < len(first_call) < 2 * len(calls)
+
+
+def test_engine_decoder_traces_as_configured(tiny_checkpoint):
+    """`EngineConfig.decoder_trace_after` reaches the CPU decoder; None keeps it eager, and a
+    count under 1 is refused."""
+    with pytest.raises(ValueError, match="decoder_trace_after"):
+        EngineConfig(decoder_trace_after=0).validate()
+    loaded = load_model(tiny_checkpoint)
+    for trace_after in (None, 5):
+        engine = Engine(loaded, EngineConfig(torch_threads=0, decoder_trace_after=trace_after))
+        try:
+            traces = engine.runner.decoder.traces
+            assert (traces is None) == (trace_after is None)
+            assert traces is None or traces.trace_after == 5
+        finally:
+            engine.close()

@@ -395,7 +395,7 @@ class GemmDecoder:
         self.seanet_group_values = seanet_group_values
         self.traces = None
         if trace_after is not None:
-            self.traces = traces.TraceCache(trace_after, modules=self.transformer)
+            self.traces = traces.TraceCache(trace_after)
 
     def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State:
         device = torch.device(device)
@@ -424,7 +424,8 @@ class GemmDecoder:
         # A trace made on one row records broadcasts over the batch as fixed shapes: one-row
         # calls get traces of their own.
         single = latents.shape[0] == 1
-        x = self._call(("transformer", frames, single), self._transformer_part, latents, state)
+        key = ("transformer", frames, single)
+        x = self._call(key, self._transformer_part, latents, state, self.transformer)
         group = max(1, self.seanet_group_values // (frames * self.seanet_values_per_frame))
         audio = []
         for first in range(0, x.shape[0], group):
@@ -437,9 +438,16 @@ class GemmDecoder:
         return torch.cat(audio).transpose(1, 2).contiguous()
 
     def _call(
-        self, key: tuple, part: traces.StateFunction, x: torch.Tensor, state: State
+        self,
+        key: tuple,
+        part: traces.StateFunction,
+        x: torch.Tensor,
+        state: State,
+        modules: nn.Module | None = None,
     ) -> torch.Tensor:
-        return part(x, state) if self.traces is None else self.traces(key, part, x, state)
+        if self.traces is None:
+            return part(x, state)
+        return self.traces(key, part, x, state, modules)
 
     def _pool_run_as_views(self, state: State) -> State:
         """Pool rows in one ascending run (the engine sorts a batch by slot) as views of the pool,
@@ -476,18 +484,22 @@ class GemmDecoder:
 
 
 # Calls of one shape (frame count, one row or more, pool rows in place or gathered) after which
-# the engine's decoder traces it: tracing costs what 20-40 eager calls do, so shapes called
-# only now and then stay eager (traces.py).
+# the engine's decoder traces it (`EngineConfig.decoder_trace_after`): tracing costs what 20-40
+# eager calls do, so shapes called only now and then stay eager (traces.py).
 TRACE_AFTER_CALLS = 20
 
 
-def make_decoder(mimi: Mimi, device: torch.device, int8: bool = False) -> Mimi | GemmDecoder:
+def make_decoder(
+    mimi: Mimi, device: torch.device, int8: bool = False, trace_after: int | None = None
+) -> Mimi | GemmDecoder:
     """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears;
-    traced), `Mimi` itself elsewhere (cuDNN convolutions)."""
+    traced from `trace_after` calls of a shape on, where this torch can), `Mimi` itself
+    elsewhere (cuDNN convolutions)."""
     if device.type != "cpu":
         return mimi
+    if not traces.available():
+        trace_after = None
     try:
-        trace_after = TRACE_AFTER_CALLS if traces.available() else None
         return GemmDecoder(mimi, int8=int8, trace_after=trace_after)
     except ValueError as e:
         logger.warning("Mimi decoder layout not supported by GemmDecoder (%s): eager path", e)

@@ -69,12 +69,11 @@ class TraceCache:
     """`fn(x, state)` per key: eager for the key's first `trace_after - 1` calls, traced on the
     next, replayed after."""
 
-    def __init__(self, trace_after: int, modules: nn.Module | None = None):
+    def __init__(self, trace_after: int):
         if trace_after < 1:
             raise ValueError(f"trace_after must be at least 1, got {trace_after}")
         self.trace_after = trace_after
-        self.modules = modules
-        self._traces: dict[Hashable, torch.jit.ScriptModule] = {}
+        self._traces: dict[Hashable, Callable[..., torch.Tensor]] = {}
         self._eager_calls: Counter[Hashable] = Counter()
         self._lock = threading.Lock()
 
@@ -82,8 +81,15 @@ class TraceCache:
         return len(self._traces)
 
     def __call__(
-        self, key: Hashable, fn: StateFunction, x: torch.Tensor, state: State
+        self,
+        key: Hashable,
+        fn: StateFunction,
+        x: torch.Tensor,
+        state: State,
+        modules: nn.Module | None = None,
     ) -> torch.Tensor:
+        """`modules`: those `fn` calls (the tracer follows only modules registered under the
+        traced one)."""
         names = sorted(state)
         key = (key, *names)
         entries = [state[name] for name in names]
@@ -95,15 +101,20 @@ class TraceCache:
             with self._lock:  # decode parts run on several threads: trace a key once
                 traced = self._traces.get(key)
                 if traced is None:
-                    out, self._traces[key] = self._trace(fn, names, x, entries)
+                    out, self._traces[key] = self._trace(fn, names, x, entries, modules)
                     return out
         with torch.jit.optimized_execution(False):
             return traced(x, *entries)
 
     def _trace(
-        self, fn: StateFunction, names: list[str], x: torch.Tensor, entries: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.jit.ScriptModule]:
-        recorded = _Recorded(fn, names, self.modules)
+        self,
+        fn: StateFunction,
+        names: list[str],
+        x: torch.Tensor,
+        entries: list[torch.Tensor],
+        modules: nn.Module | None,
+    ) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
+        recorded = _Recorded(fn, names, modules)
         with warnings.catch_warnings():
             # The tracer warns of every Python branch on a size (the key covers those) and that
             # it is deprecated (see the module's docstring).
@@ -112,4 +123,6 @@ class TraceCache:
         (out,) = recorded.outputs
         recorded.outputs.clear()
         logger.debug("traced %s for %s", fn.__name__, tuple(x.shape))
-        return out, traced
+        # Only the compiled method: the traced module's Python wrappers (hundreds of objects per
+        # trace) can go.
+        return out, traced.forward
