@@ -14,6 +14,7 @@ from intone.engine.models.pocket.gemm_decoder import (
     GemmDecoder,
     winograd_matrices,
 )
+from intone.engine.models.pocket.traces import TraceCache
 
 
 def select_rows(state: State, rows: list[int]) -> State:
@@ -239,3 +240,27 @@ def test_engine_decoder_traces_as_configured(tiny_checkpoint):
             assert traces is None or traces.trace_after == 5
         finally:
             engine.close()
+
+
+def test_a_shape_whose_trace_fails_stays_eager():
+    """A call whose trace raises fails as an eager call would, and later calls of its key run
+    eagerly instead of failing the same way; other keys still trace."""
+    calls: list[int] = []
+
+    def double(x: torch.Tensor, state: State) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if torch.jit.is_tracing() and x.shape[0] == 3:
+            raise RuntimeError("the tracer cannot follow this")
+        return x * state["scale"]
+
+    cache = TraceCache(trace_after=1)
+    state = {"scale": torch.tensor(2.0)}
+    with pytest.raises(RuntimeError, match="cannot follow"):
+        cache("k", double, torch.ones(3), state)
+    assert len(cache) == 0
+    for _ in range(2):
+        torch.testing.assert_close(cache("k", double, torch.ones(3), state), torch.full((3,), 2.0))
+    assert calls == [3, 3, 3]  # eager both times: no second trace
+    torch.testing.assert_close(cache("other", double, torch.ones(2), state), torch.full((2,), 2.0))
+    torch.testing.assert_close(cache("other", double, torch.ones(5), state), torch.full((5,), 2.0))
+    assert len(cache) == 1 and calls == [3, 3, 3, 2]  # traced once, then replayed

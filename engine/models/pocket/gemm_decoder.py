@@ -431,7 +431,7 @@ class GemmDecoder:
         for first in range(0, x.shape[0], group):
             rows = slice(first, first + group)
             # Views of the group's rows: each layer advances its history in place.
-            group_state = {key: state[key][rows] for key in self.seanet_keys}
+            group_state = {name: state[name][rows] for name in self.seanet_keys}
             y = x[rows]
             key = ("seanet", frames, y.shape[0] == 1)
             audio.append(self._call(key, self._seanet, y, group_state))

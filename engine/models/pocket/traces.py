@@ -75,6 +75,9 @@ class TraceCache:
         self.trace_after = trace_after
         self._traces: dict[Hashable, Callable[..., torch.Tensor]] = {}
         self._eager_calls: Counter[Hashable] = Counter()
+        # Keys whose trace failed stay eager: a shape the tracer cannot follow must not fail
+        # every later call of it.
+        self._untraced: set[Hashable] = set()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -95,13 +98,22 @@ class TraceCache:
         entries = [state[name] for name in names]
         traced = self._traces.get(key)
         if traced is None:
+            if key in self._untraced:
+                return fn(x, state)
             if self._eager_calls[key] < self.trace_after - 1:
                 self._eager_calls[key] += 1  # a lost count among threads only traces later
                 return fn(x, state)
             with self._lock:  # decode parts run on several threads: trace a key once
                 traced = self._traces.get(key)
                 if traced is None:
-                    out, self._traces[key] = self._trace(fn, names, x, entries, modules)
+                    try:
+                        out, self._traces[key] = self._trace(fn, names, x, entries, modules)
+                    except Exception:
+                        # The call fails as an eager one would (its caller retries it); the key
+                        # is not traced again.
+                        self._untraced.add(key)
+                        raise
+                    del self._eager_calls[key]
                     return out
         with torch.jit.optimized_execution(False):
             return traced(x, *entries)
