@@ -351,15 +351,12 @@ class ChunkedStream(tts.ChunkedStream):
             )
             finished = True
             output_emitter.flush()
-        except asyncio.CancelledError:
-            speech.cancel()
-            raise
         except APIError:
             raise
         except Exception as e:
             raise _api_error(e) from e
         finally:
-            if not finished:
+            if not finished:  # failed or cancelled: free the engine's slot and KV pages now
                 speech.cancel()
 
 
@@ -409,16 +406,14 @@ class SynthesizeStream(tts.SynthesizeStream):
                 raise progress.feed_error
             finished = True
             output_emitter.end_segment()
-        except asyncio.CancelledError:
-            # Barge-in: the agent closes the stream; free the engine's slot and KV pages now.
-            speech.cancel()
-            raise
         except APIError:
             raise
         except Exception as e:
             raise _api_error(e) from e
         finally:
             if not finished:
+                # Failed, or a barge-in (the agent closes the stream, cancelling this task):
+                # free the engine's slot and KV pages now.
                 speech.cancel()
             if feed_task is not None:
                 await aio.cancel_and_wait(feed_task)
