@@ -226,6 +226,24 @@ def test_traced_decoder_replays_the_eager_decoder_exactly(
     assert 0 < len(third_call) < len(first_call) < 2 * len(calls)
 
 
+@torch.no_grad()
+def test_one_trace_serves_every_frame_count(full_checkpoint):
+    """The full-size decoder, whose wide convolutions run as Winograd: traces made on a 1-frame
+    call replay calls of 2, 3 and 4 frames bit for bit, so the engine makes one trace per part,
+    not one per frame count (each trace is a stall of up to a second while it is made)."""
+    mimi = load_model(full_checkpoint).model.mimi
+    traced = GemmDecoder(mimi, trace_after=1)
+    assert traced.winograd_rates, "the full-size decoder should have Winograd layers"
+    eager = GemmDecoder(mimi)
+    states = [decoder.init_decoder_state(2) for decoder in (traced, eager)]
+    gen = torch.Generator().manual_seed(5)
+    for frames in (1, 2, 3, 4, 1):
+        latents = torch.randn(2, frames, mimi.quantizer.output_proj.in_channels, generator=gen)
+        got, want = (d.decode(latents, s) for d, s in zip((traced, eager), states, strict=True))
+        assert torch.equal(got, want), frames
+    assert len(traced.traces) == 2  # the transformer part and the SEANet
+
+
 def test_engine_decoder_traces_as_configured(tiny_checkpoint):
     """`EngineConfig.decoder_trace_after` reaches the CPU decoder; None keeps it eager, and a
     count under 1 is refused."""

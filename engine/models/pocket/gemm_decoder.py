@@ -260,6 +260,12 @@ class _ResBlock:
         return x + y
 
 
+def _convs(layer: _Conv | _ConvTranspose | _ResBlock) -> list[_Conv]:
+    if isinstance(layer, _ResBlock):
+        return layer.convs
+    return [layer.conv] if isinstance(layer, _ConvTranspose) else [layer]
+
+
 # The state entry holding a batch's pool rows, where the ring entries stay in the caller's pool.
 ROWS = "transformer.rows"
 
@@ -333,8 +339,9 @@ class GemmDecoder:
     enters the residual stream through a small layer scale, so this costs little accuracy (the
     fast path's tolerance, tests/test_fast_path.py) and about a fifth of the decoder's time.
     With `trace_after`, its two parts (the transformer, and the SEANet per group of rows) run as
-    TorchScript traces, one per frame count, from that many calls on (`traces.TraceCache`): the
-    same operators, without holding the GIL.
+    TorchScript traces, one per part and kind of call (pool rows in place or gathered; one row,
+    per frame count, or several rows, for every frame count), from that many calls on
+    (`traces.TraceCache`): the same operators, without holding the GIL.
     """
 
     def __init__(
@@ -383,9 +390,14 @@ class GemmDecoder:
         self.seanet_keys = [
             key for layer in self.layers for key in layer.init_state(1, torch.device("meta"))
         ]
+        # A call's only Python branch on a size is a Winograd convolution's `t % tile` (the
+        # tracer follows every other size through the operators): (tile, time steps per frame)
+        # of each convolution that has one.
+        self.winograd_rates = [(self.upsample.conv.tile, 1)] if self.upsample.conv.tile > 1 else []
         # The widest SEANet activation per frame: samples at its rate x channels.
         steps, widest = mimi.steps_per_frame, 0
         for layer in self.layers:
+            self.winograd_rates += [(conv.tile, steps) for conv in _convs(layer) if conv.tile > 1]
             if isinstance(layer, _ConvTranspose):
                 steps *= layer.stride
                 widest = max(widest, steps * layer.out_channels)
@@ -421,10 +433,13 @@ class GemmDecoder:
             return torch.cat([self.decode(piece, state) for piece in pieces], dim=-1)
         state = self._pool_run_as_views(state)
         frames = latents.shape[1]
-        # A trace made on one row records broadcasts over the batch as fixed shapes: one-row
-        # calls get traces of their own.
+        # Sizes flow through a trace, so calls of several rows share one across frame counts
+        # that take the same Winograd branches (with 16 decoder steps per frame, every count
+        # does). A trace made on one row records the broadcasts over the batch as fixed shapes,
+        # the frame count with them: one-row calls get a trace per frame count.
+        branches = tuple(frames * rate % tile == 0 for tile, rate in self.winograd_rates)
         single = latents.shape[0] == 1
-        key = ("transformer", frames, single)
+        key = ("transformer", frames if single else branches, single)
         x = self._call(key, self._transformer_part, latents, state, self.transformer)
         group = max(1, self.seanet_group_values // (frames * self.seanet_values_per_frame))
         audio = []
@@ -433,7 +448,8 @@ class GemmDecoder:
             # Views of the group's rows: each layer advances its history in place.
             group_state = {name: state[name][rows] for name in self.seanet_keys}
             y = x[rows]
-            key = ("seanet", frames, y.shape[0] == 1)
+            single = y.shape[0] == 1
+            key = ("seanet", frames if single else branches, single)
             audio.append(self._call(key, self._seanet, y, group_state))
         return torch.cat(audio).transpose(1, 2).contiguous()
 
@@ -483,9 +499,9 @@ class GemmDecoder:
         return x
 
 
-# Calls of one shape (frame count, one row or more, pool rows in place or gathered) after which
-# the engine's decoder traces it (`EngineConfig.decoder_trace_after`): tracing costs what 20-40
-# eager calls do, so shapes called only now and then stay eager (traces.py).
+# Calls of one kind (one row and its frame count, or several rows; pool rows in place or
+# gathered) after which the engine's decoder traces it (`EngineConfig.decoder_trace_after`):
+# tracing costs what 20-40 eager calls do, so kinds called only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
 
