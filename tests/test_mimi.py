@@ -223,24 +223,30 @@ def test_traced_decoder_replays_the_eager_decoder_exactly(
             assert torch.equal(pool.rows[name], tensor), name
     first_call, third_call = (decoder.traces for decoder in decoders[1:])
     assert first_call is not None and third_call is not None
-    assert 0 < len(third_call) < len(first_call) < 2 * len(calls)
+    # One trace per part and kind of state, whatever the rows and frames: the transformer part
+    # on pool rows in place and gathered, and the SEANet.
+    assert len(first_call) == len(third_call) == 3
 
 
 @torch.no_grad()
 def test_one_trace_serves_every_frame_count(full_checkpoint):
-    """The full-size decoder, whose wide convolutions run as Winograd: traces made on a 1-frame
-    call replay calls of 2, 3 and 4 frames bit for bit, so the engine makes one trace per part,
-    not one per frame count (each trace is a stall of up to a second while it is made)."""
+    """The full-size decoder, whose wide convolutions run as Winograd: traces made on a call of
+    one row and one frame replay calls of 1 to 3 rows and 1 to 4 frames bit for bit, so the
+    engine makes one trace per part, not one per shape (each trace is a stall of up to a second
+    while it is made)."""
     mimi = load_model(full_checkpoint).model.mimi
     traced = GemmDecoder(mimi, trace_after=1)
     assert traced.winograd_rates, "the full-size decoder should have Winograd layers"
     eager = GemmDecoder(mimi)
-    states = [decoder.init_decoder_state(2) for decoder in (traced, eager)]
+    states = [decoder.init_decoder_state(3) for decoder in (traced, eager)]
     gen = torch.Generator().manual_seed(5)
-    for frames in (1, 2, 3, 4, 1):
-        latents = torch.randn(2, frames, mimi.quantizer.output_proj.in_channels, generator=gen)
-        got, want = (d.decode(latents, s) for d, s in zip((traced, eager), states, strict=True))
-        assert torch.equal(got, want), frames
+    for rows, frames in ((1, 1), (1, 3), (2, 2), (3, 4), (1, 4), (3, 1)):
+        latents = torch.randn(rows, frames, mimi.quantizer.output_proj.in_channels, generator=gen)
+        got, want = (
+            decoder.decode(latents, {name: entry[:rows] for name, entry in state.items()})
+            for decoder, state in zip((traced, eager), states, strict=True)
+        )
+        assert torch.equal(got, want), (rows, frames)
     assert len(traced.traces) == 2  # the transformer part and the SEANet
 
 

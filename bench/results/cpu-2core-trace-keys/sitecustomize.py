@@ -1,10 +1,11 @@
-"""Counts the decoder's traces, and with TK=old keys them by frame count as before.
+"""Counts the decoder's traces, and with TK=old keys them by frame count and one row as before.
 
     TK=old PYTHONPATH=bench/results/cpu-2core-trace-keys python \
         bench/results/cpu-2core-background-traces/stall_engine.py checkpoints/2m 8 48
 
 The traced parts' input is [rows, frames or decoder steps, channels], so adding its second size
-to every key gives each frame count its own traces again, as the code before this change did.
+and whether it has one row to every key gives each frame count and one-row calls their own
+traces again, as commit 6116d2d did.
 """
 
 import atexit
@@ -22,7 +23,7 @@ if os.environ.get("TK"):
         caches.append(self)
 
     def call_keyed_by_frames(self, key, fn, x, state, modules=None):
-        return original_call(self, (key, x.shape[1]), fn, x, state, modules)
+        return original_call(self, (key, x.shape[1], x.shape[0] == 1), fn, x, state, modules)
 
     traces.TraceCache.__init__ = init
     if os.environ["TK"] == "old":

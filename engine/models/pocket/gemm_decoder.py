@@ -311,9 +311,12 @@ class RingKV:
         keys = self.state[f"{self.prefix}.{layer}.keys"]
         values = self.state[f"{self.prefix}.{layer}.values"]
         key_pos = self.state[f"{self.prefix}.{layer}.key_positions"]
-        keys[self.rows, self.slots] = k
-        values[self.rows, self.slots] = v
-        key_pos[self.rows, self.slots] = self.positions
+        # index_put_, not `keys[where] = k`: for one row, that views k without its leading 1
+        # at a fixed shape, which a trace made on one row would keep (traces.py).
+        where = (self.rows, self.slots)
+        keys.index_put_(where, k)
+        values.index_put_(where, v)
+        key_pos.index_put_(where, self.positions)
         if self.index is not None:
             keys, values = keys[self.index], values[self.index]
             key_pos = key_pos[self.index]
@@ -339,9 +342,9 @@ class GemmDecoder:
     enters the residual stream through a small layer scale, so this costs little accuracy (the
     fast path's tolerance, tests/test_fast_path.py) and about a fifth of the decoder's time.
     With `trace_after`, its two parts (the transformer, and the SEANet per group of rows) run as
-    TorchScript traces, one per part and kind of call (pool rows in place or gathered; one row,
-    per frame count, or several rows, for every frame count), from that many calls on
-    (`traces.TraceCache`): the same operators, without holding the GIL.
+    TorchScript traces, one per part and kind of state (pool rows in place or gathered), for
+    every row and frame count, from that many calls on (`traces.TraceCache`): the same
+    operators, without holding the GIL.
     """
 
     def __init__(
@@ -433,13 +436,10 @@ class GemmDecoder:
             return torch.cat([self.decode(piece, state) for piece in pieces], dim=-1)
         state = self._pool_run_as_views(state)
         frames = latents.shape[1]
-        # Sizes flow through a trace, so calls of several rows share one across frame counts
-        # that take the same Winograd branches (with 16 decoder steps per frame, every count
-        # does). A trace made on one row records the broadcasts over the batch as fixed shapes,
-        # the frame count with them: one-row calls get a trace per frame count.
+        # Sizes flow through a trace, so one serves every row count and every frame count that
+        # takes the same Winograd branches (with 16 decoder steps per frame, every count does).
         branches = tuple(frames * rate % tile == 0 for tile, rate in self.winograd_rates)
-        single = latents.shape[0] == 1
-        key = ("transformer", frames if single else branches, single)
+        key = ("transformer", branches)
         x = self._call(key, self._transformer_part, latents, state, self.transformer)
         group = max(1, self.seanet_group_values // (frames * self.seanet_values_per_frame))
         audio = []
@@ -448,9 +448,7 @@ class GemmDecoder:
             # Views of the group's rows: each layer advances its history in place.
             group_state = {name: state[name][rows] for name in self.seanet_keys}
             y = x[rows]
-            single = y.shape[0] == 1
-            key = ("seanet", frames if single else branches, single)
-            audio.append(self._call(key, self._seanet, y, group_state))
+            audio.append(self._call(("seanet", branches), self._seanet, y, group_state))
         return torch.cat(audio).transpose(1, 2).contiguous()
 
     def _call(
@@ -499,9 +497,9 @@ class GemmDecoder:
         return x
 
 
-# Calls of one kind (one row and its frame count, or several rows; pool rows in place or
-# gathered) after which the engine's decoder traces it (`EngineConfig.decoder_trace_after`):
-# tracing costs what 20-40 eager calls do, so kinds called only now and then stay eager.
+# Calls of one kind (pool rows in place or gathered) after which the engine's decoder traces it
+# (`EngineConfig.decoder_trace_after`): tracing costs what 20-40 eager calls do, so kinds called
+# only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
 
