@@ -222,7 +222,9 @@ class EngineBackend(_LocalModel):
             loaded = load_model(self.model_path, device=self.device)
             engine = Engine(loaded, EngineConfig(device=self.device, **self.engine_options))
             engine.add_voice("bench", self.voice_wav)
-            return engine.start()
+            engine.start()
+            engine.prepare_decoder()  # as the server and the plugins' prewarm do
+            return engine
 
         self.engine = await asyncio.to_thread(build)
 

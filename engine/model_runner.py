@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.gemm_decoder import make_decoder
+from intone.engine.models.pocket.gemm_decoder import GemmDecoder, make_decoder
 from intone.engine.models.pocket.kv_cache import (
     KVLanes,
     SequenceStep,
@@ -38,6 +39,8 @@ from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.sequence import Request
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
+
+logger = logging.getLogger(__name__)
 
 # A decode batch is split across cores only into parts of at least this many rows: below it the
 # per-row cost of a decode call climbs (measured full size: 13-20 ms at 1 row, ~10 at 8 or 16).
@@ -312,6 +315,26 @@ class ModelRunner:
             state = self.decoder_states.detached(histories)
             audio = self.decoder.decode(self.flow_lm.denormalize(latents), state)
         return audio[:, 0], self.decoder_states.histories(state)
+
+    @torch.no_grad()
+    def prepare_decoder(self) -> None:
+        """Make the CPU decoder's traces now, on scratch rows of a pool of its own: a call on
+        pool rows in one run (also the kind of detached rows), and one on scattered rows, the
+        kinds of state the engine decodes. Otherwise each is made in the call that reaches
+        `decoder_trace_after`, a 0.1-0.4 s stall for that call's streams."""
+        if not isinstance(self.decoder, GemmDecoder) or self.decoder.traces is None:
+            return
+        scratch = DecoderStatePool(self.decoder, 3, self.device)
+        for _ in range(3):
+            scratch.acquire()
+        latents = torch.zeros(2, 1, self.flow_lm.latent_dim, device=self.device)
+        for rows in ([0, 1], [0, 2]):
+            state = scratch.gather(torch.tensor(rows, device=self.device))
+            try:
+                self.decoder.decode(self.flow_lm.denormalize(latents), state, trace_now=True)
+            except Exception:
+                # That kind stays eager (traces.TraceCache); a warm-up must not stop serving.
+                logger.warning("decoder trace on rows %s failed: eager", rows, exc_info=True)
 
     def decode(self, slots: list[int], latents: torch.Tensor) -> torch.Tensor:
         """`decode_step` for rows in any order: the audio comes back in the caller's order."""

@@ -208,11 +208,13 @@ def _start_engine(model: ModelSpec, config: EngineConfig | None, warm: bool) -> 
 
 
 def warm_up(engine: Engine) -> None:
-    """Run one short generation so the first real request does not pay for lazy setup.
+    """Make the decoder's traces and run one short generation, so the first real request does
+    not pay for lazy setup.
 
-    It runs on a thread of its own with a private event loop, so it works whether or not the
-    caller is inside one.
+    The generation runs on a thread of its own with a private event loop, so it works whether
+    or not the caller is inside one.
     """
+    engine.prepare_decoder()
     if engine.default_voice is None:
         logger.debug("no default voice: skipping the warm-up")
         return

@@ -250,6 +250,29 @@ def test_one_trace_serves_every_frame_count(full_checkpoint):
     assert len(traced.traces) == 2  # the transformer part and the SEANet
 
 
+def test_prepare_decoder_makes_every_trace_the_engine_calls(tiny_checkpoint):
+    """After `Engine.prepare_decoder`, none of the engine's kinds of decode call makes a trace
+    (with `decoder_trace_after=1` an unprepared kind would make one at once): rows in one run
+    of slots, scattered slots and detached rows, of any count and frames. Calling it again
+    makes nothing new."""
+    engine = Engine(load_model(tiny_checkpoint), EngineConfig(decoder_trace_after=1))
+    runner = engine.runner
+    try:
+        engine.prepare_decoder()
+        traces = runner.decoder.traces
+        assert len(traces) == 3  # the transformer part in place and gathered, and the SEANet
+        slots = [runner.decoder_states.acquire() for _ in range(5)]
+        latent_dim = runner.flow_lm.latent_dim
+        for chosen, frames in ((slots[1:4], 2), ([slots[0], slots[3]], 1), (slots, 4)):
+            audio = runner.decode(chosen, torch.randn(len(chosen), frames, latent_dim))
+            assert audio.shape == (len(chosen), frames * runner.decoder.samples_per_frame)
+        runner.decode_detached(torch.randn(1, 1, latent_dim), [None])
+        engine.prepare_decoder()
+        assert len(traces) == 3
+    finally:
+        engine.close()
+
+
 def test_engine_decoder_traces_as_configured(tiny_checkpoint):
     """`EngineConfig.decoder_trace_after` reaches the CPU decoder; None keeps it eager, and a
     count under 1 is refused."""

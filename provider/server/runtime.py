@@ -308,6 +308,7 @@ class Runtime:
             logger.info("engine built in %.1f s", time.perf_counter() - started)
         engine = served.engine
         engine.start()
+        await asyncio.to_thread(engine.prepare_decoder)
         if self._voices_dir is not None:
             await asyncio.to_thread(add_voice_dir, engine, self._voices_dir)
         known = set(engine.voices) | set(engine.loaded.voices)

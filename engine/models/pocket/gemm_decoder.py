@@ -429,18 +429,19 @@ class GemmDecoder:
         return state
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, state: State) -> torch.Tensor:
-        """De-normalised latents [B, T, C] -> audio [B, 1, T * samples_per_frame]."""
+    def decode(self, latents: torch.Tensor, state: State, trace_now: bool = False) -> torch.Tensor:
+        """De-normalised latents [B, T, C] -> audio [B, 1, T * samples_per_frame].
+        `trace_now`: trace the parts this call runs that have no trace yet (a warm-up)."""
         if latents.shape[1] > self.max_frames:
             pieces = latents.split(self.max_frames, dim=1)
-            return torch.cat([self.decode(piece, state) for piece in pieces], dim=-1)
+            return torch.cat([self.decode(p, state, trace_now) for p in pieces], dim=-1)
         state = self._pool_run_as_views(state)
         frames = latents.shape[1]
         # Sizes flow through a trace, so one serves every row count and every frame count that
         # takes the same Winograd branches (with 16 decoder steps per frame, every count does).
         branches = tuple(frames * rate % tile == 0 for tile, rate in self.winograd_rates)
         key = ("transformer", branches)
-        x = self._call(key, self._transformer_part, latents, state, self.transformer)
+        x = self._call(key, self._transformer_part, latents, state, trace_now, self.transformer)
         group = max(1, self.seanet_group_values // (frames * self.seanet_values_per_frame))
         audio = []
         for first in range(0, x.shape[0], group):
@@ -448,7 +449,8 @@ class GemmDecoder:
             # Views of the group's rows: each layer advances its history in place.
             group_state = {name: state[name][rows] for name in self.seanet_keys}
             y = x[rows]
-            audio.append(self._call(("seanet", branches), self._seanet, y, group_state))
+            key = ("seanet", branches)
+            audio.append(self._call(key, self._seanet, y, group_state, trace_now))
         return torch.cat(audio).transpose(1, 2).contiguous()
 
     def _call(
@@ -457,11 +459,12 @@ class GemmDecoder:
         part: traces.StateFunction,
         x: torch.Tensor,
         state: State,
+        trace_now: bool,
         modules: nn.Module | None = None,
     ) -> torch.Tensor:
         if self.traces is None:
             return part(x, state)
-        return self.traces(key, part, x, state, modules)
+        return self.traces(key, part, x, state, modules, trace_now)
 
     def _pool_run_as_views(self, state: State) -> State:
         """Pool rows in one ascending run (the engine sorts a batch by slot) as views of the pool,

@@ -94,9 +94,10 @@ class TraceCache:
         x: torch.Tensor,
         state: State,
         modules: nn.Module | None = None,
+        trace_now: bool = False,
     ) -> torch.Tensor:
         """`modules`: those `fn` calls (the tracer follows only modules registered under the
-        traced one)."""
+        traced one). `trace_now`: trace an untraced key on this call, whatever its count."""
         names = sorted(state)
         key = (key, *names)
         entries = [state[name] for name in names]
@@ -104,7 +105,7 @@ class TraceCache:
         if traced is None:
             if key in self._untraced:
                 return fn(x, state)
-            if self._eager_calls[key] < self.trace_after - 1:
+            if not trace_now and self._eager_calls[key] < self.trace_after - 1:
                 self._eager_calls[key] += 1  # a lost count among threads only traces later
                 return fn(x, state)
             with self._lock:  # decode parts run on several threads: trace a key once
@@ -117,7 +118,7 @@ class TraceCache:
                         # is not traced again.
                         self._untraced.add(key)
                         raise
-                    del self._eager_calls[key]
+                    self._eager_calls.pop(key, None)
                     return out
         with torch.jit.optimized_execution(False):
             return traced(x, *entries)
