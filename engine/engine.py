@@ -119,7 +119,8 @@ class EngineConfig:
     # Intra-op threads for torch (process-wide). None: the cores divided among the stages busy at
     # the moment (engine/thread_budget.py): half each while the AR and decoder stages both run
     # (measured on 2 cores: 9.4 audio-s/s at 8 streams with one thread each against 6.6 with
-    # two; docs/benchmarks.md), all of them for a stage running alone. 0 leaves torch's setting.
+    # two; docs/benchmarks.md), all but one for a stage that starts alone (on 2 cores, one
+    # thread each whatever the load). 0 leaves torch's setting.
     torch_threads: int | None = None
     # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
     # None runs every batch at its own size, which is cheaper on a CPU.
