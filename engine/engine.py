@@ -299,8 +299,8 @@ class Engine:
 
     def prepare_decoder(self) -> None:
         """Make the decoder's traces now (0.3-1.2 s on 2 cores), so that no served decode call
-        stalls while one is made. The server calls it at startup and the plugins' prewarm with their
-        warm-up; an engine that skips it makes them as it serves (`decoder_trace_after`)."""
+        stalls while one is made. The server calls it at startup and the plugins' prewarm with
+        their warm-up; an engine that skips it makes them as it serves (`decoder_trace_after`)."""
         self.runner.prepare_decoder()
 
     def close(self) -> None:

@@ -261,6 +261,7 @@ class _ResBlock:
 
 
 def _convs(layer: _Conv | _ConvTranspose | _ResBlock) -> list[_Conv]:
+    """The convolutions a SEANet layer runs, on its input's time steps."""
     if isinstance(layer, _ResBlock):
         return layer.convs
     return [layer.conv] if isinstance(layer, _ConvTranspose) else [layer]
@@ -501,8 +502,8 @@ class GemmDecoder:
 
 
 # Calls of one kind (pool rows in place or gathered) after which the engine's decoder traces it
-# (`EngineConfig.decoder_trace_after`): tracing costs what 20-40 eager calls do, so kinds called
-# only now and then stay eager.
+# (`EngineConfig.decoder_trace_after`), where `Engine.prepare_decoder` has not: tracing costs what
+# 20-40 eager calls do, so kinds called only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
 

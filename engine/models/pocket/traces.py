@@ -10,19 +10,19 @@ interpreter, which releases the GIL for the whole call: there the same call took
 step 15.6.
 
 A key's first `trace_after - 1` calls run eagerly; the next is traced as it runs (its output and
-state updates are the call's own), and later calls replay that trace. Tracing costs what 20-40
-eager calls do (~150-300 ms for a tiny decoder's call of 5-20 ms, up to ~1.3 s at full size, then
-one replay of 25-45 ms), so only keys the engine calls again and again are worth it: an engine's
-first calls, and a short-lived engine (a test's), run eagerly. A trace records the tensor
-operations only, so it holds for every input whose shapes lead the Python code down the same
-branches: sizes flow through the trace (a decode call of 8 rows and 3 frames replays a trace
-made on 1 row and 1 frame, bit for bit), and the caller's key names whatever else the code
-branches on (for the decoder: which state entries there are, which convolutions run as
-Winograd). Sizes stay free only where the traced code passes them on: Python's `t[index] = v`
-with tensor indices strips a value's leading dimensions of size 1 with a view of fixed shape, so
-traced code writes through `index_put_`. The traces run
-without the JIT's optimizing executor, which took 100-275 ms more on a trace's first two calls
-and ran it no faster.
+state updates are the call's own), and later calls replay that trace; a call with `trace_now`
+traces at once (the engine's warm-up, `Engine.prepare_decoder`). Tracing costs what 20-40 eager
+calls do (~150-300 ms for a tiny decoder's call of 5-20 ms, then one replay of 25-45 ms), so
+only keys the engine calls again and again are worth it: a short-lived engine (a test's) that
+skips the warm-up runs eagerly. A trace records the tensor operations only, so it holds for
+every input whose shapes lead the Python code down the same branches: sizes flow through the
+trace (a decode call of 8 rows and 3 frames replays a trace made on 1 row and 1 frame, bit for
+bit), and the caller's key names whatever else the code branches on (for the decoder: which
+state entries there are, which convolutions run as Winograd). Sizes stay free only where the
+traced code passes them on: Python's `t[index] = v` with tensor indices strips a value's leading
+dimensions of size 1 with a view of fixed shape, so traced code writes through `index_put_`. The
+traces run without the JIT's optimizing executor, which took 100-275 ms more on a trace's first
+two calls and ran it no faster.
 
 `torch.jit.trace` is deprecated in favour of `torch.compile` and `torch.export`. `torch.compile`
 of this decoder (inductor) took 26-55 s to compile on first use, gave nothing after warm-up,
