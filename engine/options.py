@@ -82,12 +82,23 @@ def check_option(name: str, value: object) -> None:
         raise InvalidOptionError(f"{name} must be a number, got {type(value).__name__}")
     if name in _INTEGERS and not isinstance(value, int):
         raise InvalidOptionError(f"{name} must be an integer, got {value!r}")
-    if not math.isfinite(value):
+    # An int is finite, and may be too large for a float: compared as it is.
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidOptionError(f"{name} must be finite, got {value!r}")
     too_low = value <= low if name in _OPEN_LOW else value < low
     if too_low or value > high:
         bracket = "(" if name in _OPEN_LOW else "["
-        raise InvalidOptionError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value:g}")
+        shown = f"{bracket}{_shown(low)}, {_shown(high)}], got {_shown(value)}"
+        raise InvalidOptionError(f"{name} must be in {shown}")
+
+
+def _shown(value: float) -> str:
+    """An integer as written (a huge one by its size), a float in short form."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if abs(value) >= 10**20:
+        return f"an integer of {value.bit_length()} bits"
+    return str(value)
 
 
 @dataclass
