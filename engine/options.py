@@ -9,6 +9,7 @@ step. The server, the client and both plugins derive their option lists from its
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,15 @@ class GenerationOptions:
 def option_names() -> list[str]:
     """The names of every generation option, for APIs that expose them."""
     return [f.name for f in fields(GenerationOptions)]
+
+
+def check_settings(settings: Mapping[str, object]) -> None:
+    """Refuse a bad value among generation options given by name, where None stands for the
+    default (the plugins' settings), as `GenerationOptions` would: checked where they are set,
+    not at every turn that would use them."""
+    for name, value in settings.items():
+        if value is not None:
+            check_option(name, value)
 
 
 def check_option(name: str, value: object) -> None:

@@ -35,8 +35,8 @@ from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel, releases
 from intone.engine.audio import to_pcm16
-from intone.engine.errors import UnknownModelError
-from intone.engine.options import option_names
+from intone.engine.errors import InvalidOptionError, UnknownModelError
+from intone.engine.options import check_settings, option_names
 from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind, is_busy
 
@@ -205,6 +205,8 @@ class IntoneTTSService(TTSService):
         )
         if settings is not None:
             default_settings.apply_update(settings)
+        # A bad value fails here (InvalidOptionError, a ValueError), not every turn later.
+        check_settings(default_settings.generation())
         super().__init__(
             text_aggregation_mode=text_aggregation_mode,
             push_text_frames=not word_timestamps,
@@ -255,6 +257,13 @@ class IntoneTTSService(TTSService):
         return False
 
     async def _update_settings(self, delta: TTSSettings) -> dict[str, Any]:
+        given = {name: getattr(delta, name, NOT_GIVEN) for name in GENERATION_FIELDS}
+        try:
+            check_settings({name: value for name, value in given.items() if is_given(value)})
+        except InvalidOptionError as e:
+            # The update is refused whole; turns keep the settings they had.
+            await self.push_error(error_msg=f"settings not changed: {e}", exception=e)
+            return {}
         changed = await super()._update_settings(delta)
         # Voice, generation settings and the model are read when a turn's stream opens.
         if "model" in changed and self._settings.model is not None:

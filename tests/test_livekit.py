@@ -35,7 +35,7 @@ from livekit.agents.voice import io
 from livekit.agents.voice.transcription import TranscriptSynchronizer
 from livekit.plugins import intone
 
-from intone.engine import Engine, EngineConfig
+from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.provider import registry
 from intone.provider.server import create_app
 
@@ -456,6 +456,26 @@ async def test_update_options_applies_to_new_streams(engine: Engine, tiny_checkp
     frame = await tts.synthesize("A new voice.").collect()
     assert wav in engine.voices
     assert frame.duration == pytest.approx(4 * FRAME_SECONDS, abs=0.02)
+    await tts.aclose()
+
+
+async def test_bad_options_are_refused_where_they_are_set(engine: Engine, tiny_checkpoint: Path):
+    """A bad setting raises at TTS() or update_options(), and leaves the options as they were,
+    instead of failing every later turn."""
+    with pytest.raises(InvalidOptionError, match="speed"):
+        intone.TTS(model=tiny_checkpoint, speed=5)
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+    # Each with a good max_frames=4 beside it: the update is refused whole.
+    for name, bad in (
+        ("speed", 5),
+        ("seed", 10**400),
+        ("temperature", "hot"),
+        ("chain_frames", -1),
+    ):
+        with pytest.raises(InvalidOptionError, match=name):
+            tts.update_options(max_frames=4, **{name: bad})
+    frame = await tts.synthesize("Hello there.").collect()
+    assert frame.duration == pytest.approx(8 * FRAME_SECONDS, abs=0.02)  # FAST's max_frames
     await tts.aclose()
 
 

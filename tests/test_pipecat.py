@@ -44,7 +44,7 @@ from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.errors import ErrorCategory
 
-from intone.engine import Engine, EngineConfig
+from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.provider import registry
 from intone.provider.backends import engine_options
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
@@ -250,6 +250,23 @@ async def test_settings_update_applies_to_the_next_turn(engine: Engine, tiny_che
         pytest.approx(CLAUSE_SECONDS, abs=0.01),
         pytest.approx(CLAUSE_SECONDS / 2, abs=0.01),
     ]
+
+
+async def test_bad_settings_are_refused_where_they_are_set(engine: Engine, tiny_checkpoint: Path):
+    """A bad setting raises at construction; a bad update is refused whole with an error frame,
+    and the next turn speaks with the settings it had."""
+    with pytest.raises(InvalidOptionError, match="speed"):
+        service(tiny_checkpoint, settings=IntoneTTSService.Settings(speed=5))
+    down, up = await run_test(
+        service(tiny_checkpoint),
+        frames_to_send=[
+            TTSUpdateSettingsFrame(delta=IntoneTTSService.Settings(max_frames=4, speed=5)),
+            TTSSpeakFrame("First turn."),
+        ],
+    )
+    errors = [f for f in up if isinstance(f, ErrorFrame) and "speed" in f.error]
+    assert len(errors) == 1
+    assert seconds(down) == pytest.approx(CLAUSE_SECONDS, abs=0.01)  # max_frames not applied
 
 
 async def test_word_timestamps_are_estimated_per_clause(engine: Engine, tiny_checkpoint: Path):

@@ -53,7 +53,7 @@ from intone.engine import (
     ModelUnavailableError,
 )
 from intone.engine.audio import to_pcm16
-from intone.engine.options import option_names
+from intone.engine.options import check_settings, option_names
 from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind
 from intone.provider.server.pcm import StreamResampler
@@ -83,6 +83,11 @@ class _TTSOptions:
     chain_frames: int | None
     speed: float | None
     normalize: bool | None
+
+    def __post_init__(self) -> None:
+        # Here, so that TTS(speed=5) and update_options(speed=5) raise InvalidOptionError (a
+        # ValueError) at once, rather than every later turn failing (replace() runs it too).
+        check_settings(self.generation())
 
     def generation(self) -> dict[str, Any]:
         """The generation settings given, for the engine or the server."""
