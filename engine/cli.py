@@ -56,6 +56,7 @@ def _say(args: argparse.Namespace) -> None:
     import torch
 
     from intone.engine.audio import write_wav
+    from intone.engine.errors import EmptyTextError
     from intone.engine.generate import generate
     from intone.engine.loading import load_model
     from intone.engine.options import GenerationOptions
@@ -65,6 +66,9 @@ def _say(args: argparse.Namespace) -> None:
     # Generation and decoding overlap on two threads: one intra-op thread each per core pair
     # (on 2 cores: RTF 0.97x the reference's instead of 1.06x; bench/results/cpu-2core).
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    # Checked before the model loads and speaks, not found out when the WAV is written.
+    if not args.out.parent.is_dir():
+        raise ValueError(f"cannot write {args.out}: {args.out.parent} is not a directory")
     loaded = load_model(args.model)
     voice_name = args.voice or loaded.default_voice
     if voice_name is None:
@@ -79,6 +83,8 @@ def _say(args: argparse.Namespace) -> None:
         chain_frames=args.chain_frames,
     )
     clauses = split_clauses(loaded.tokenizer, args.text)
+    if not clauses:
+        raise EmptyTextError("no text to speak")
     audio = torch.cat(list(generate(loaded, voice, clauses, options)))
     write_wav(args.out, audio.numpy().astype(np.float32), loaded.sample_rate, float32=args.float)
     logger.info(

@@ -117,6 +117,23 @@ def test_say_with_missing_model(offline_env: dict[str, str], tmp_path: Path) -> 
     assert "no model at" in result.stderr and str(tmp_path / "nope") in result.stderr
 
 
+def test_say_without_text(offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path):
+    out = tmp_path / "out.wav"
+    result = intone(offline_env, "say", " \n ", "--model", tiny_checkpoint, "--out", out)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "no text to speak" in result.stderr
+    assert not out.exists()
+
+
+def test_say_into_a_missing_directory(offline_env: dict[str, str], tmp_path: Path) -> None:
+    """Refused before the model loads (here there is none): not found out after speaking."""
+    out = tmp_path / "missing" / "out.wav"
+    result = intone(offline_env, "say", "Hello.", "--model", tmp_path / "nope", "--out", out)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert f"{out.parent} is not a directory" in result.stderr
+
+
 def test_say_with_missing_voice(
     offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path
 ) -> None:

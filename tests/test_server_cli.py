@@ -78,6 +78,12 @@ def test_bad_voice_alias(alias):
         options_from_args(build_parser().parse_args(["serve", "--voice-alias", alias]))
 
 
+@pytest.mark.parametrize("port", ["-1", "65536", "99999"])
+def test_a_port_out_of_range_is_refused_before_anything_loads(port):
+    with pytest.raises(ValueError, match="port"):
+        options_from_args(build_parser().parse_args(["serve", "--port", port]))
+
+
 def test_serve_reports_a_bad_voices_dir(tiny_checkpoint, tmp_path):
     import subprocess
     import sys

@@ -44,6 +44,11 @@ class ServeOptions:
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     settings: ServerSettings = field(default_factory=ServerSettings)
 
+    def __post_init__(self) -> None:
+        # Before any model loads: the socket's own check comes after, as an OverflowError.
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeOptions.port must be in 0-65535, got {self.port}")
+
 
 def serve(options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, drain, release the engine; returns normally (exit status 0)."""
@@ -268,7 +273,7 @@ def add_serve_command(commands: Any) -> None:
         "(.wav/.flac/.mp3/.safetensors), each registered under its file stem",
     )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (0: any free)")
     serve.add_argument(
         "--drain-timeout", type=float, default=30.0,
         help="seconds in-flight streams get to finish on SIGTERM before they are cancelled",
