@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -65,7 +66,7 @@ from intone.engine.precision import resolve_precision
 from intone.engine.scheduler import Need, Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import Stream
-from intone.engine.text import ClauseSplitter
+from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice, load_voice
 
@@ -160,6 +161,14 @@ class EngineConfig:
     clause_max_tokens: int = 50
 
     def validate(self) -> None:
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"EngineConfig.device: {self.device!r} is not a torch device") from e
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], not {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
         resolve_precision(self.dtype, self.device)
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
         for name in positive + ("max_decode_frames", "max_streams"):
@@ -173,6 +182,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0 or None")
+        if self.torch_threads is not None and self.torch_threads < 0:
+            raise ValueError("EngineConfig.torch_threads must be >= 0 (0: torch's own) or None")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("EngineConfig.num_pages must be >= 1 or None")
+        if not 0 < self.kv_memory_mb < math.inf:
+            raise ValueError(
+                f"EngineConfig.kv_memory_mb must be > 0 and finite, got {self.kv_memory_mb}"
+            )
 
 
 class Engine:
@@ -493,6 +510,7 @@ class Engine:
         self, text: str, voice: str | None = None, options: GenerationOptions | None = None
     ) -> np.ndarray:
         """The whole audio of `text`, float32 at the model's rate."""
+        check_text(text)
         if not text.strip():
             raise EmptyTextError("text is empty")
         stream = self.stream(voice, options)

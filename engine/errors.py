@@ -39,6 +39,13 @@ class EmptyTextError(EngineError, ValueError):
     code = "empty_text"
 
 
+class InvalidTextError(EngineError, ValueError):
+    """Text that is not valid Unicode: a lone surrogate (half of a UTF-16 pair), which no
+    tokenizer can encode."""
+
+    code = "bad_text"
+
+
 class TextTooLongError(EngineError, ValueError):
     """A request's text is over the engine's limit (in total or for one clause)."""
 

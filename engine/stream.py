@@ -24,7 +24,7 @@ from intone.engine.errors import (
 )
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
 from intone.engine.sequence import Clause, Request, RequestMetrics, now
-from intone.engine.text import ClauseSplitter
+from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -60,7 +60,10 @@ class Stream:
         return self.request.metrics
 
     def push_text(self, text: str) -> None:
+        """Append text (e.g. LLM tokens as they arrive). Refused text changes nothing: the
+        stream carries on."""
         self._check_open()
+        check_text(text)
         limit = self._engine.config.max_text_chars
         if self._chars + len(text) > limit:
             raise TextTooLongError(f"text over the limit of {limit} characters")

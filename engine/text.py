@@ -26,6 +26,7 @@ import sentencepiece
 import tokenizers
 
 # Spoken-form text has its own module; it is part of the text API, under this name.
+from intone.engine.errors import InvalidTextError
 from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
 from intone.engine.spoken_form import normalize_text as normalize_text
 
@@ -506,6 +507,20 @@ class ClauseSplitter:
         return self._threshold(sentence) <= self._count(end) <= self.max_tokens
 
 
+def check_text(text: str) -> None:
+    """Refuse what the tokenizer could not encode: not a str (TypeError), or a lone surrogate
+    (InvalidTextError; a split UTF-16 pair, or undecodable bytes in argv). Caught where the
+    text comes in, not by the tokenizer when its clause ends, which would fail the stream."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidTextError(
+            f"text holds a lone surrogate at {e.start}: {ascii(text[:32])}"
+        ) from None
+
+
 def split_clauses(
     tokenizer: Encoder,
     text: str,
@@ -516,6 +531,7 @@ def split_clauses(
     max_tokens: int = MAX_TOKENS_PER_CHUNK,
 ) -> list[str]:
     """The clauses `ClauseSplitter` makes of `text` pushed at once then ended."""
+    check_text(text)
     splitter = ClauseSplitter(
         tokenizer,
         min_tokens=min_tokens,

@@ -125,6 +125,15 @@ def test_say_without_text(offline_env: dict[str, str], tiny_checkpoint: Path, tm
     assert not out.exists()
 
 
+def test_say_undecodable_text(offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path):
+    """Bytes that are not UTF-8 reach argv as lone surrogates: refused, not a tokenizer crash."""
+    out = tmp_path / "out.wav"
+    result = intone(offline_env, "say", "Hi \udcff.", "--model", tiny_checkpoint, "--out", out)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "lone surrogate" in result.stderr
+    assert not out.exists()
+
+
 def test_say_into_a_missing_directory(offline_env: dict[str, str], tmp_path: Path) -> None:
     """Refused before the model loads (here there is none): not found out after speaking."""
     out = tmp_path / "missing" / "out.wav"

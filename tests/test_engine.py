@@ -35,6 +35,7 @@ from intone.engine import (
     EngineConfig,
     EngineFullError,
     InvalidOptionError,
+    InvalidTextError,
     Stream,
     StreamClosedError,
     TextTooLongError,
@@ -757,6 +758,21 @@ async def test_bad_input_raises_at_submit_and_leaves_the_engine_alone(
         stream.push_text("x" * 201)
     stream.cancel()
     await unchanged()
+
+    # Text the tokenizer could not encode is refused as it comes in, and changes nothing.
+    stream = engine.stream()
+    for bad in ["a\ud800b", "\udcff"]:  # a split UTF-16 pair; undecodable bytes in argv
+        with pytest.raises(InvalidTextError, match="surrogate"):
+            stream.push_text(bad)
+    for bad in [b"bytes", 3, None]:
+        with pytest.raises(TypeError, match="str"):
+            stream.push_text(bad)
+    with pytest.raises(InvalidTextError):
+        await engine.synthesize("\ud83d")
+    stream.push_text("Hello there.")
+    stream.end_input()
+    assert [chunk async for chunk in stream.audio()]
+    await wait_idle(engine, floor)
 
     opts = options(8, 0.3)
     outcome = await run_request(engine, TEXTS[1], None, opts)

@@ -38,7 +38,9 @@ from test_engine import (
 
 from intone.engine import (
     AudioChunk,
+    Engine,
     EngineClosedError,
+    EngineConfig,
     EngineFailedError,
     EngineFullError,
     GenerationOptions,
@@ -559,3 +561,27 @@ def test_a_decode_split_across_cores_equals_one_part_and_fails_whole(
     finally:
         one.close()
         split.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"device": "tpu"},
+        {"device": "meta"},
+        {"torch_threads": -3},
+        {"kv_memory_mb": 0},
+        {"kv_memory_mb": float("nan")},
+        {"num_pages": 0},
+        {"max_active": 0},
+        {"lead_s": -1.0},
+        {"idle_timeout_s": float("nan")},
+        {"dtype": "int4"},
+    ]
+    + ([] if torch.cuda.is_available() else [{"device": "cuda"}]),
+)
+def test_a_bad_engine_config_is_refused_naming_its_field(tiny_model, bad: dict) -> None:
+    """ValueError naming the field, before the engine builds anything (not torch's own error
+    from deep inside, nor a full KV pool for a pool of no memory)."""
+    (name,) = bad
+    with pytest.raises(ValueError, match=f"EngineConfig.{name}"):
+        Engine(tiny_model, EngineConfig(**bad))

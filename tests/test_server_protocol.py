@@ -187,3 +187,20 @@ def test_http_encoders_stream_decodable_audio(fmt):
 def test_wav_header_says_unknown_length():
     header = wav_header(24000)
     assert len(header) == 44 and header[4:8] == b"\xff\xff\xff\xff" and header[40:] == header[4:8]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("InvalidTextError", ErrorCode.BAD_TEXT),
+        ("TextTooLongError", ErrorCode.TEXT_TOO_LONG),
+        ("EmptyTextError", ErrorCode.EMPTY_TEXT),
+        ("InvalidOptionError", ErrorCode.BAD_OPTIONS),
+        ("EngineFullError", ErrorCode.SERVER_BUSY),
+        ("EngineFailedError", ErrorCode.ENGINE_ERROR),
+    ],
+)
+def test_engine_errors_map_to_codes_by_type(error: str, code: ErrorCode) -> None:
+    from intone.engine import errors
+
+    assert protocol.engine_error_code(getattr(errors, error)("any message")) == code

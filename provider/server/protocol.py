@@ -111,6 +111,7 @@ _ENGINE_ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (engine_errors.UnknownVoiceError, ErrorCode.UNKNOWN_VOICE),
     (engine_errors.UnknownModelError, ErrorCode.UNKNOWN_MODEL),
     (engine_errors.EmptyTextError, ErrorCode.EMPTY_TEXT),
+    (engine_errors.InvalidTextError, ErrorCode.BAD_TEXT),
     (engine_errors.TextTooLongError, ErrorCode.TEXT_TOO_LONG),
     (engine_errors.StreamClosedError, ErrorCode.STREAM_CLOSED),
     (engine_errors.EngineFullError, ErrorCode.SERVER_BUSY),
