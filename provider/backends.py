@@ -30,6 +30,7 @@ from intone.engine import (
     GenerationOptions,
     IdleTimeoutError,
     InvalidOptionError,
+    InvalidTextError,
     LoadedModel,
     Stream,
     StreamClosedError,
@@ -147,6 +148,15 @@ class EngineSpeech:
         return self.stream.id
 
     async def push_text(self, text: str) -> None:
+        try:
+            self._push(text)
+        except InvalidTextError as e:
+            # Half of a UTF-16 pair an LLM's stream split: that piece is dropped and the turn
+            # speaks on, as the server drops a `text` message it refuses as `bad_text` (which
+            # RemoteSpeech logs the same way). Text over the turn's limit still fails the turn.
+            logger.warning("intone engine: text dropped: %s", e)
+
+    def _push(self, text: str) -> None:
         self._fresh_stream()
         try:
             self.stream.push_text(text)

@@ -479,6 +479,29 @@ async def test_bad_options_are_refused_where_they_are_set(engine: Engine, tiny_c
     await tts.aclose()
 
 
+async def test_a_refused_piece_of_text_is_dropped_and_the_turn_speaks_on(
+    engine: Engine, tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+):
+    """Half of a split UTF-16 pair from an LLM is dropped (as the server drops a `text` it
+    refuses), not the whole turn."""
+    tts = intone.TTS(model=tiny_checkpoint, **FAST)
+
+    async def spoken(pieces: list[str]) -> float:
+        stream = tts.stream()
+        for piece in pieces:
+            stream.push_text(piece)
+        stream.end_input()
+        seconds = sum([event.frame.duration async for event in stream])
+        await stream.aclose()
+        return seconds
+
+    clean = await spoken(["Hello there, ", "my good friend. ", "How are you?"])
+    assert clean > 0
+    assert await spoken(["Hello there, ", "\ud83d", "my good friend. ", "How are you?"]) == clean
+    assert "lone surrogate" in caplog.text
+    await tts.aclose()
+
+
 async def test_remote_mode_speaks_through_intone_serve(engine: Engine, server_url: str):
     tts = intone.TTS(base_url=server_url, **FAST)
     assert tts.engine is None
