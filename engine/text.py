@@ -25,8 +25,9 @@ from typing import Any, Protocol
 import sentencepiece
 import tokenizers
 
-# Spoken-form text has its own module; it is part of the text API, under this name.
 from intone.engine.errors import InvalidTextError
+
+# Spoken-form text has its own module; it is part of the text API, under this name.
 from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
 from intone.engine.spoken_form import normalize_text as normalize_text
 

@@ -117,20 +117,17 @@ def test_say_with_missing_model(offline_env: dict[str, str], tmp_path: Path) -> 
     assert "no model at" in result.stderr and str(tmp_path / "nope") in result.stderr
 
 
-def test_say_without_text(offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path):
+# Undecodable bytes in argv (not UTF-8) reach the command as lone surrogates.
+@pytest.mark.parametrize(
+    ("text", "message"), [(" \n ", "no text to speak"), ("Hi \udcff.", "lone surrogate")]
+)
+def test_say_refuses_text_it_cannot_speak(
+    offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path, text: str, message: str
+) -> None:
     out = tmp_path / "out.wav"
-    result = intone(offline_env, "say", " \n ", "--model", tiny_checkpoint, "--out", out)
+    result = intone(offline_env, "say", text, "--model", tiny_checkpoint, "--out", out)
     assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "no text to speak" in result.stderr
-    assert not out.exists()
-
-
-def test_say_undecodable_text(offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path):
-    """Bytes that are not UTF-8 reach argv as lone surrogates: refused, not a tokenizer crash."""
-    out = tmp_path / "out.wav"
-    result = intone(offline_env, "say", "Hi \udcff.", "--model", tiny_checkpoint, "--out", out)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "lone surrogate" in result.stderr
+    assert "Traceback" not in result.stderr and message in result.stderr
     assert not out.exists()
 
 
