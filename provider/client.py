@@ -148,6 +148,9 @@ class ClientStream:
     # ---- input
 
     async def push_text(self, text: str) -> None:
+        if not isinstance(text, str):
+            # As the engine's Stream.push_text: the server would answer a non-final bad_message.
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         await self._send(protocol.Text(self.id, text))
 
     async def flush(self) -> None:

@@ -221,7 +221,11 @@ async def test_stream_errors_raise_from_client(server):
         with pytest.raises(IntoneError) as info:
             await client.synthesize("   ")
         assert info.value.code == "empty_text"
-        # The connection survived both.
+        stream = await client.stream()
+        with pytest.raises(TypeError, match="str"):
+            await stream.push_text(3)  # refused before it is sent, as the engine refuses it
+        await stream.cancel()
+        # The connection survived them all.
         assert await client.synthesize("Fine.")
 
 
