@@ -438,6 +438,9 @@ class Engine:
         `tenant`: who the stream is for (a caller, an API key); with
         `EngineConfig.max_rows_per_tenant`, one tenant's streams hold at most that many rows
         while others wait."""
+        if tenant is not None and not isinstance(tenant, str):
+            # The AR stage counts rows per tenant: an unhashable one would fail it, for all.
+            raise InvalidOptionError(f"tenant must be a str or None, got {type(tenant).__name__}")
         if options is None:
             options = GenerationOptions(chain_frames=self.config.default_chain_frames)
         else:

@@ -395,6 +395,17 @@ async def test_bad_option_values_never_reach_a_step(make_engine, name: str) -> N
     assert engine.metrics()["queued_requests"] == 0
 
 
+@pytest.mark.parametrize("tenant", [["a"], {"key": 1}, 7])
+async def test_a_bad_tenant_is_refused_at_stream_not_by_the_ar_stage(make_engine, tenant) -> None:
+    """The AR stage counts rows per tenant: an unhashable tenant there failed every stream."""
+    engine = make_engine(second_voice=False, max_rows_per_tenant=1)
+    with pytest.raises(InvalidOptionError, match="tenant"):
+        engine.stream(None, tenant=tenant)
+    assert engine.metrics()["queued_requests"] == 0
+    audio = await engine.synthesize("Hello there.", options=options(1, max_frames=4))
+    assert audio.size and engine.health().ok
+
+
 async def test_a_chaining_tail_too_big_for_the_pool_is_refused_at_stream(make_engine) -> None:
     engine = make_engine(second_voice=False, page_size=16)
     floor = voice_pages(engine)
