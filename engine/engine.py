@@ -409,6 +409,9 @@ class Engine:
         first, and only then swapped in; if that fails the old voice is intact and nothing
         leaks. A pool too full for the voice raises EngineFullError.
         """
+        if not isinstance(name, str) or not name:
+            # "" could never be asked for: stream(voice="") means the default voice.
+            raise ValueError(f"a voice name is a non-empty str, got {name!r}")
         voice = source if isinstance(source, Voice) else load_voice(self.model, name, source)
         with self._lock:
             try:

@@ -43,6 +43,9 @@ def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_
         )
     if samples.numel() == 0:
         raise ValueError(f"voice {name!r} has no audio")
+    if not bool(torch.isfinite(samples).all()):
+        # A float WAV can hold them; they would reach every KV page the voice fills.
+        raise ValueError(f"voice {name!r}: its audio holds NaN or infinite samples")
     samples = torch.as_tensor(
         resample(samples.numpy(), sample_rate, model.sample_rate), dtype=torch.float32
     )

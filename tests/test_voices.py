@@ -11,6 +11,7 @@ import soxr
 import torch
 from safetensors.torch import load_file, save_file
 
+from intone.engine import Engine, EngineConfig
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, ModelUnavailableError
 from intone.engine.options import GenerationOptions
@@ -191,6 +192,28 @@ def test_empty_wav(tiny_model: LoadedModel, tmp_path: Path) -> None:
 def test_empty_samples(tiny_model: LoadedModel) -> None:
     with pytest.raises(ValueError, match="no audio"):
         voice_from_audio(tiny_model.model, "nothing", torch.zeros(0), 24000)
+
+
+def test_audio_with_nan_or_infinite_samples(tiny_model: LoadedModel, tmp_path: Path) -> None:
+    """Refused by name (it failed deep in the trailing-silence cut with an IndexError)."""
+    for bad in (np.nan, np.inf):
+        samples = np.full(24000, 0.1, dtype=np.float32)
+        samples[100] = bad
+        path = write(tmp_path / "bad.wav", samples, 24000, "FLOAT")
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            load_voice(tiny_model.model, "bad", path)
+
+
+def test_voice_names_are_non_empty_strings(tiny_model: LoadedModel, tiny_checkpoint: Path):
+    """ "" could never be asked for (stream(voice="") is the default voice)."""
+    engine = Engine(tiny_model, EngineConfig(num_pages=64))
+    wav = tiny_checkpoint / "voices" / "default.wav"
+    try:
+        for name in ("", 123, None):
+            with pytest.raises(ValueError, match="voice name"):
+                engine.add_voice(name, wav)
+    finally:
+        engine.close()
 
 
 def test_unreadable_wav(tiny_model: LoadedModel, tmp_path: Path) -> None:
