@@ -21,6 +21,10 @@ from intone.engine.models.pocket.model import PocketTTS
 
 logger = logging.getLogger(__name__)
 
+# The reference's CLI and server keep the first 30 s of a prompt. A longer one would not change
+# the voice much, but its positions sit in every request's attention (12.5 per second of audio).
+MAX_VOICE_SECONDS = 30.0
+
 
 @dataclass
 class Voice:
@@ -34,7 +38,7 @@ class Voice:
 
 
 def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_rate: int) -> Voice:
-    """Voice from mono float samples [T] at any rate."""
+    """Voice from mono float samples [T] at any rate; the first MAX_VOICE_SECONDS of them."""
     if not model.has_voice_encoder:
         raise ValueError(
             "these weights have no Mimi encoder (the release without voice cloning): voices "
@@ -46,6 +50,15 @@ def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_
     if not bool(torch.isfinite(samples).all()):
         # A float WAV can hold them; they would reach every KV page the voice fills.
         raise ValueError(f"voice {name!r}: its audio holds NaN or infinite samples")
+    max_samples = int(MAX_VOICE_SECONDS * sample_rate)
+    if samples.numel() > max_samples:
+        logger.info(
+            "voice %r: keeping the first %g s of %.1f s of audio",
+            name,
+            MAX_VOICE_SECONDS,
+            samples.numel() / sample_rate,
+        )
+        samples = samples[:max_samples]
     samples = torch.as_tensor(
         resample(samples.numpy(), sample_rate, model.sample_rate), dtype=torch.float32
     )

@@ -178,6 +178,23 @@ def test_48k_voice_is_close_to_the_reference(
         torch.testing.assert_close(voice.values[layer], cache[1], rtol=0, atol=1e-2)
 
 
+def test_long_prompt_keeps_its_first_30_seconds_as_the_reference_cli_does(
+    reference, tiny_model: LoadedModel, default_samples: np.ndarray, tmp_path: Path
+) -> None:
+    """A 45 s prompt would put ~560 positions in every request's attention for no gain."""
+    repeats = int(np.ceil(45 * 24000 / default_samples.size))
+    path = write(tmp_path / "long.wav", np.tile(default_samples, repeats), 24000, "PCM_16")
+    voice = load_voice(tiny_model.model, "long", path)
+    state = reference.get_state_for_audio_prompt(path, truncate=True)
+    for layer in range(LAYERS):
+        layer_state = state[PREFIX.format(layer)]
+        length = int(layer_state["offset"][0])
+        assert length == voice.length <= 30 * 12.5 + 2
+        cache = layer_state["cache"][:, 0, :length]
+        torch.testing.assert_close(voice.keys[layer], cache[0], rtol=0, atol=1e-4)
+        torch.testing.assert_close(voice.values[layer], cache[1], rtol=0, atol=1e-4)
+
+
 # -- unusable audio -----------------------------------------------------------------------------
 
 
