@@ -84,6 +84,21 @@ def test_a_port_out_of_range_is_refused_before_anything_loads(port):
         options_from_args(build_parser().parse_args(["serve", "--port", port]))
 
 
+@pytest.mark.parametrize(
+    "models",
+    [["english", "en"], ["english", "kyutai/pocket-tts"], ["{ckpt}", "{ckpt}/config.yaml"]],
+)
+def test_the_same_model_twice_is_refused_before_anything_loads(models, tiny_checkpoint):
+    """It loaded twice, as "tiny" and "tiny-2": two engines whose requests never batch."""
+    args = ["serve"]
+    for model in models:
+        args += ["--model", model.format(ckpt=tiny_checkpoint)]
+    with pytest.raises(ValueError, match="same model"):
+        options_from_args(build_parser().parse_args(args))
+    # Two different models are still served side by side.
+    options_from_args(build_parser().parse_args(["serve", "--model", "en", "--model", "fr"]))
+
+
 def test_serve_reports_a_bad_voices_dir(tiny_checkpoint, tmp_path):
     import subprocess
     import sys

@@ -20,6 +20,7 @@ import uvicorn
 
 from intone.engine import Engine, EngineConfig
 from intone.engine.precision import DTYPES
+from intone.provider.registry import model_key
 from intone.provider.server.access import LOOPBACK_HOSTS, is_loopback
 from intone.provider.server.app import create_app
 from intone.provider.server.logs import configure_logging
@@ -48,6 +49,16 @@ class ServeOptions:
         # Before any model loads: the socket's own check comes after, as an OverflowError.
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeOptions.port must be in 0-65535, got {self.port}")
+        # The same model twice would load it twice and split its requests between two engines
+        # that never batch together ("ckpt" and "ckpt/config.yaml", "english" and "en").
+        seen: dict[str, str | None] = {}
+        for spec in self.model if isinstance(self.model, list) else [self.model]:
+            key = model_key(spec)
+            if key in seen:
+                raise ValueError(
+                    f"--model {spec} and --model {seen[key]} are the same model: give it once"
+                )
+            seen[key] = spec
 
 
 def serve(options: ServeOptions) -> None:
