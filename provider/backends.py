@@ -378,7 +378,7 @@ class RemoteBackend:
         sample_rate: int | None = None,
         model: str | None = None,
     ) -> RemoteSpeech:
-        from intone.provider.client import IntoneConnectionError, IntoneError
+        from intone.provider.client import IntoneConnectionError, IntoneError, IntoneTimeoutError
 
         for attempt in range(2):
             client = None
@@ -393,8 +393,9 @@ class RemoteBackend:
                 )
             except IntoneError as e:
                 # The server restarted, the connection idled out, or this server (replica) is
-                # draining: one fresh connection, which a load balancer sends elsewhere.
-                if not isinstance(e, IntoneConnectionError) and e.code != "shutting_down":
+                # draining, or hung: one fresh connection, which a load balancer sends elsewhere.
+                retry = isinstance(e, IntoneConnectionError | IntoneTimeoutError)
+                if not retry and e.code != "shutting_down":
                     raise
                 if client is not None:
                     self._forget(client)

@@ -92,6 +92,13 @@ class IntoneConnectionError(IntoneError, ConnectionError):
         super().__init__("connection_closed", message, stream)
 
 
+class IntoneTimeoutError(IntoneError, TimeoutError):
+    """The server did not answer in time (it is alive enough to hold the connection)."""
+
+    def __init__(self, message: str, stream: str | None = None):
+        super().__init__("timeout", message, stream)
+
+
 def ws_url(url: str) -> str:
     """The WebSocket URL of a server given as ws(s):// or http(s)://, with or without a path."""
     parts = urlsplit(url)
@@ -324,7 +331,11 @@ class ClientStream:
 
 
 class IntoneClient:
-    """A connection to an intone server carrying any number of concurrent streams."""
+    """A connection to an intone server carrying any number of concurrent streams.
+
+    `open_timeout`: how long opening the connection, and then each stream on it, may wait for
+    the server's answer (`hello`, `started`); past it they raise IntoneTimeoutError.
+    """
 
     def __init__(
         self,
@@ -444,7 +455,15 @@ class IntoneClient:
             assert stream._replay is not None
             stream._replay.append(start)
             await self._send(start, stream, 0)
-            await asyncio.shield(stream._started)
+            try:
+                await asyncio.wait_for(asyncio.shield(stream._started), self.open_timeout)
+            except TimeoutError:
+                # A hung server keeps the socket open: without this the caller waits forever.
+                await stream.cancel(wait=False)  # in case it starts later: free it there
+                raise IntoneTimeoutError(
+                    f"the server did not accept stream {stream_id} in {self.open_timeout:g} s",
+                    stream_id,
+                ) from None
         except BaseException:
             self._forget(stream)
             raise

@@ -54,6 +54,7 @@ _KINDS: dict[str, Kind] = {
     "shutting_down": Kind.CONNECTION,
     "connection_closed": Kind.CONNECTION,
     "slow_client": Kind.CONNECTION,
+    "timeout": Kind.CONNECTION,  # the client's own: the server did not answer in time
     "internal_error": Kind.SERVER,
     "unauthorized": Kind.AUTH,
     "origin_not_allowed": Kind.AUTH,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import pytest
@@ -201,3 +202,38 @@ async def _count_audio(turn) -> int:
     from intone.engine import AudioChunk
 
     return sum([len(e.samples) async for e in turn if isinstance(e, AudioChunk)])
+
+
+async def test_a_server_that_never_answers_a_start_times_out_with_a_typed_error():
+    """A hung server holds the socket open: `stream()` waited forever (dead air in a turn)."""
+    from intone.provider.backends import RemoteBackend
+    from intone.provider.client import IntoneTimeoutError
+    from intone.provider.errors import Kind, error_kind
+    from intone.provider.server import protocol
+
+    received: list[str] = []
+
+    async def hung(ws: ServerConnection) -> None:
+        limits = protocol.Limits(**{f.name: 1 for f in dataclasses.fields(protocol.Limits)})
+        hello = protocol.HelloEvent(
+            "c", "m", "0", 24000, ["default"], "default", "generated", limits
+        )
+        await ws.send(protocol.encode_event(hello))
+        async for message in ws:  # never answers
+            received.append(protocol.parse_message(message).TYPE)
+
+    async with serve(hung, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with IntoneClient(url, open_timeout=0.5) as client:
+            started = time.perf_counter()
+            with pytest.raises(IntoneTimeoutError) as e:
+                await asyncio.wait_for(client.stream(text="Hello.", end=True), 10)
+            assert time.perf_counter() - started < 5
+            assert error_kind(e.value) is Kind.CONNECTION  # the frameworks retry it
+            await asyncio.sleep(0.1)
+            assert received == ["start", "cancel"]  # freed there, should it start later
+        # The plugins' remote backend tries one fresh connection, then reports the timeout.
+        backend = RemoteBackend(url, open_timeout=0.5)
+        with pytest.raises(IntoneTimeoutError):
+            await asyncio.wait_for(backend.open_stream(None, {}), 10)
+        await backend.aclose()
