@@ -388,6 +388,11 @@ class IntoneClient:
             hello = protocol.parse_event(raw) if isinstance(raw, str) else None
         except ValueError:
             hello = None
+        except TimeoutError:
+            await ws.close()
+            raise IntoneTimeoutError(
+                f"no hello from the server in {self.open_timeout:g} s"
+            ) from None
         except BaseException:
             await ws.close()
             raise

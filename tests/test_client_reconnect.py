@@ -204,8 +204,9 @@ async def _count_audio(turn) -> int:
     return sum([len(e.samples) async for e in turn if isinstance(e, AudioChunk)])
 
 
-async def test_a_server_that_never_answers_a_start_times_out_with_a_typed_error():
-    """A hung server holds the socket open: `stream()` waited forever (dead air in a turn)."""
+async def test_a_server_that_never_answers_times_out_with_a_typed_error():
+    """A hung server holds the socket open: `stream()` waited forever for `started` (dead air
+    in a turn); a missing hello raised a bare TimeoutError."""
     from intone.provider.backends import RemoteBackend
     from intone.provider.client import IntoneTimeoutError
     from intone.provider.errors import Kind, error_kind
@@ -232,6 +233,17 @@ async def test_a_server_that_never_answers_a_start_times_out_with_a_typed_error(
             assert error_kind(e.value) is Kind.CONNECTION  # the frameworks retry it
             await asyncio.sleep(0.1)
             assert received == ["start", "cancel"]  # freed there, should it start later
+
+    async def mute(ws: ServerConnection) -> None:  # accepts the WebSocket, never says hello
+        await ws.wait_closed()
+
+    async with serve(mute, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        with pytest.raises(IntoneTimeoutError, match="no hello"):
+            await asyncio.wait_for(IntoneClient(url, open_timeout=0.5).connect(), 10)
+
+    async with serve(hung, "127.0.0.1", 0) as server:
+        url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         # The plugins' remote backend tries one fresh connection, then reports the timeout.
         backend = RemoteBackend(url, open_timeout=0.5)
         with pytest.raises(IntoneTimeoutError):
