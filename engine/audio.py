@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import soundfile
@@ -59,10 +60,13 @@ def end_on_pause(
 
 
 def write_wav(
-    path: str | Path, samples: np.ndarray, sample_rate: int, float32: bool = False
+    path: str | Path | BinaryIO, samples: np.ndarray, sample_rate: int, float32: bool = False
 ) -> None:
+    """A WAV file whatever `path` is named (a seekable binary file works too)."""
     subtype = "FLOAT" if float32 else "PCM_16"
-    soundfile.write(str(path), np.asarray(samples, dtype=np.float32), sample_rate, subtype=subtype)
+    target = str(path) if isinstance(path, str | Path) else path
+    samples = np.asarray(samples, dtype=np.float32)
+    soundfile.write(target, samples, sample_rate, subtype=subtype, format="WAV")
 
 
 def to_pcm16(samples: np.ndarray) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import sys
@@ -67,8 +68,15 @@ def _say(args: argparse.Namespace) -> None:
     # (on 2 cores: RTF 0.97x the reference's instead of 1.06x; bench/results/cpu-2core).
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     # Checked before the model loads and speaks, not found out when the WAV is written.
-    if not args.out.parent.is_dir():
-        raise ValueError(f"cannot write {args.out}: {args.out.parent} is not a directory")
+    to_stdout = str(args.out) == "-"
+    if not to_stdout:
+        if args.out.suffix.lower() != ".wav":
+            raise ValueError(f"cannot write {args.out}: intone say writes WAV, name it *.wav")
+        if not args.out.parent.is_dir():
+            raise ValueError(f"cannot write {args.out}: {args.out.parent} is not a directory")
+    text = sys.stdin.read() if args.text == "-" else args.text
+    if not text.strip():
+        raise EmptyTextError("no text to speak")
     loaded = load_model(args.model)
     voice_name = args.voice or loaded.default_voice
     if voice_name is None:
@@ -82,16 +90,23 @@ def _say(args: argparse.Namespace) -> None:
         seed=args.seed,
         chain_frames=args.chain_frames,
     )
-    clauses = split_clauses(loaded.tokenizer, args.text)
+    clauses = split_clauses(loaded.tokenizer, text)
     if not clauses:
         raise EmptyTextError("no text to speak")
     audio = torch.cat(list(generate(loaded, voice, clauses, options)))
-    write_wav(args.out, audio.numpy().astype(np.float32), loaded.sample_rate, float32=args.float)
+    samples = audio.numpy().astype(np.float32)
+    if to_stdout:
+        wav = io.BytesIO()  # the WAV header's sizes are written last, by seeking back
+        write_wav(wav, samples, loaded.sample_rate, float32=args.float)
+        sys.stdout.buffer.write(wav.getvalue())
+        sys.stdout.buffer.flush()
+    else:
+        write_wav(args.out, samples, loaded.sample_rate, float32=args.float)
     logger.info(
         "wrote %.2f s of audio (%d clauses) to %s",
         audio.numel() / loaded.sample_rate,
         len(clauses),
-        args.out,
+        "stdout" if to_stdout else args.out,
     )
 
 
@@ -128,7 +143,7 @@ def build_parser(*extra_commands: Callable[[Any], None]) -> argparse.ArgumentPar
     models.set_defaults(run=_models)
 
     say = commands.add_parser("say", help="synthesise TEXT to a WAV file")
-    say.add_argument("text")
+    say.add_argument("text", help="what to say; - reads it from stdin")
     say.add_argument(
         "--model",
         default=None,
@@ -140,7 +155,7 @@ def build_parser(*extra_commands: Callable[[Any], None]) -> argparse.ArgumentPar
         default=None,
         help="voice name, audio file or voice-state .safetensors (default: the model's)",
     )
-    say.add_argument("--out", type=Path, required=True)
+    say.add_argument("--out", type=Path, required=True, help="a .wav file; - writes to stdout")
     say.add_argument("--temperature", type=float, default=None)
     say.add_argument("--seed", type=int, default=None)
     say.add_argument("--eos-threshold", type=float, default=None)

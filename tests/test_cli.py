@@ -140,6 +140,36 @@ def test_say_into_a_missing_directory(offline_env: dict[str, str], tmp_path: Pat
     assert f"{out.parent} is not a directory" in result.stderr
 
 
+def test_say_reads_stdin_and_writes_stdout(
+    offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`-` as the text and as --out, as the reference's `pocket-tts generate` takes them."""
+    args = ("--model", tiny_checkpoint, "--seed", "1", "--max-frames", str(MAX_FRAMES))
+    to_file = intone(offline_env, "say", "Hello there.", *args, "--out", tmp_path / "a.wav")
+    assert to_file.returncode == 0, to_file.stderr
+    piped = subprocess.run(
+        [sys.executable, "-m", "intone.provider.cli", "say", "-", *map(str, args), "--out", "-"],
+        env=offline_env,
+        input=b"Hello there.",
+        capture_output=True,
+        timeout=120,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == (tmp_path / "a.wav").read_bytes()  # only the WAV: logs go to stderr
+
+
+@pytest.mark.parametrize("name", ["out.mp3", "out"])
+def test_say_refuses_an_output_that_is_not_wav(
+    offline_env: dict[str, str], tmp_path: Path, name: str
+) -> None:
+    """Refused before the model loads: the file would have held WAV whatever its name."""
+    out = tmp_path / name
+    result = intone(offline_env, "say", "Hello.", "--model", tmp_path / "nope", "--out", out)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "writes WAV" in result.stderr
+    assert not out.exists()
+
+
 def test_say_with_missing_voice(
     offline_env: dict[str, str], tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
