@@ -369,7 +369,12 @@ def synthesize_voice(
 def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a random `preset` checkpoint for `seed` into `out_dir` (created) and return it."""
     release, tiny = preset_release(preset)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"the seed must be an integer >= 0, got {seed!r}")
     out = Path(out_dir).resolve()
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot write a checkpoint into {out}: {existing} is a file")
     out.mkdir(parents=True, exist_ok=True)
     weights = str(out / WEIGHTS_FILE)
     if release is None:

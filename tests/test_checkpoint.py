@@ -129,6 +129,20 @@ def test_unknown_preset(tmp_path: Path) -> None:
         checkpoint.make_checkpoint("huge", tmp_path)
 
 
+@pytest.mark.parametrize("out", ["file", "file/ckpt"])
+def test_out_under_a_file_is_refused(tmp_path: Path, out: str) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ValueError, match="file is a file"):
+        checkpoint.make_checkpoint("tiny", tmp_path / out)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_bad_seed_is_refused(tmp_path: Path, seed: object) -> None:
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        checkpoint.make_checkpoint("tiny", tmp_path, seed=seed)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
 @pytest.mark.full
 def test_full_preset_matches_released_architecture(tmp_path: Path) -> None:
     from pocket_tts import TTSModel
