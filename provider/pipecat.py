@@ -348,7 +348,13 @@ class IntoneTTSService(TTSService):
             return
         turn.input_ended = True
         if turn.has_text:
-            await turn.speech.end_input()
+            try:
+                await turn.speech.end_input()
+            except Exception as e:
+                # Refused (every piece of its text was, EmptyTextError) or already ended: the
+                # turn is over now, not when the stop-frame timeout gives up on its audio.
+                turn.speech.cancel()
+                await self.push_error_frame(self._error_frame(e, f"intone ended the turn: {e}"))
         else:
             turn.speech.cancel()  # whitespace only: nothing to say
 

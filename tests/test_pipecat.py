@@ -296,6 +296,34 @@ async def test_unknown_voice_is_reported(engine: Engine, tiny_checkpoint: Path):
     assert kinds.count(TTSStartedFrame) == kinds.count(TTSStoppedFrame) == 1
 
 
+@pytest.mark.parametrize("where", ["engine", "server"])
+async def test_a_turn_whose_only_text_is_refused_ends(
+    engine: Engine, tiny_checkpoint: Path, server_url: str, pages_at_idle: int, where: str
+):
+    """A lone surrogate (half a UTF-16 pair) drops its text; when that was all the turn had, the
+    turn ends with an error and its TTSStoppedFrame instead of waiting for audio, and the next
+    turn speaks."""
+    # The wait below is shorter than the stop-frame timeout, which ended the turn before.
+    kwargs = {"stop_frame_timeout_s": 60}
+    if where == "engine":
+        tts = service(tiny_checkpoint, **kwargs)
+    else:
+        tts = IntoneTTSService(base_url=server_url, **kwargs)
+    down, up = await asyncio.wait_for(
+        run_test(
+            tts,
+            frames_to_send=[TTSSpeakFrame("Hi \udcff."), SleepFrame(1), TTSSpeakFrame("Hello.")],
+        ),
+        30,
+    )
+    assert [f for f in up if isinstance(f, ErrorFrame) and "no text" in f.error]
+    # The first turn stopped before the second started, not when the pipeline ended.
+    kinds = [type(f) for f in down if isinstance(f, TTSStartedFrame | TTSStoppedFrame)]
+    assert kinds == [TTSStartedFrame, TTSStoppedFrame] * 2
+    assert len({f.context_id for f in audio(down)}) == 1  # the second turn spoke
+    assert idle(engine, pages_at_idle)
+
+
 async def test_remote_mode(engine: Engine, server_url: str, pages_at_idle: int):
     tts = IntoneTTSService(base_url=server_url, settings=FAST)
     assert tts.engine is None
