@@ -527,7 +527,7 @@ async def test_paced_decoder_keeps_itself_free_for_a_first_latent(make_engine) -
     t = time.perf_counter()
     for request in ahead:
         request.frames_delivered = 1
-        request.playback.deliver(0.9, t)  # near an underrun (URGENT_S) in 0.4 s
+        request.playback.deliver(2.0, t)  # near an underrun (URGENT_S) in 1.5 s, after the hold
     new.frames_delivered = 1  # its first frame, decoded by the AR thread
     new.playback.deliver(0.08, t)
     worker.first_frames_due = True
