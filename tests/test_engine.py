@@ -44,6 +44,7 @@ from intone.engine import (
 from intone.engine.generate import fade_in, generate, generate_latents
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.options import GenerationOptions, plan_clause
+from intone.engine.stream import PUSH_PIECE_CHARS
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
 
@@ -537,6 +538,51 @@ async def test_streaming_text_word_by_word(make_engine, reference: Reference) ->
     assert current == len(clauses) and frames == 0
     check_outcome(outcome, reference, text, SECOND_VOICE, opts, "streamed")
     await wait_idle(engine, floor)
+
+
+async def test_long_text_is_planned_with_the_loop_free(make_engine, reference: Reference) -> None:
+    """push_long_text gives the clauses of one push_text, and other tasks run while it plans."""
+    engine = make_engine(max_text_chars=2000)
+    text = " ".join(TEXTS * 9)  # 1,700 characters: four pieces
+    assert len(text) > 3 * PUSH_PIECE_CHARS
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    stream = engine.stream(None, options(7, max_frames=1))
+    before = ticks
+    await stream.push_long_text(text)
+    during = ticks - before
+    ticker.cancel()
+    stream.end_input()
+    done = [e.text for e in await drain(stream) if isinstance(e, ClauseDone)]
+    assert done == reference.clauses(text)
+    assert during >= 3
+
+    # Refused as a whole, before any piece: the stream carries on untouched.
+    stream = engine.stream(None, options(7, max_frames=1))
+    with pytest.raises(InvalidTextError):
+        await stream.push_long_text(text[:1500] + "\udcff")
+    with pytest.raises(TextTooLongError):
+        await stream.push_long_text(text + text)
+    assert stream.metrics.clauses == 0
+    await stream.push_long_text("Hi there.")
+    stream.end_input()
+    assert [e.text for e in await drain(stream) if isinstance(e, ClauseDone)] == ["Hi there."]
+
+    # Cancelled by another task between pieces: the push ends with StreamClosedError.
+    stream = engine.stream(None, options(7, max_frames=1))
+    canceller = asyncio.get_running_loop().call_soon(stream.cancel)
+    with pytest.raises(StreamClosedError):
+        await stream.push_long_text(text)
+    canceller.cancel()
+    assert await drain(stream) == []
 
 
 async def test_flush_ends_a_clause_early(make_engine, reference: Reference) -> None:

@@ -264,7 +264,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         )
         engine_stream = engine.stream(voice, options, tenant=tenant)
         try:
-            engine_stream.push_text(request_.text)
+            await engine_stream.push_long_text(request_.text)
             engine_stream.end_input()
         except BaseException:
             engine_stream.cancel()

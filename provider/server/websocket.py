@@ -325,7 +325,7 @@ class Connection:
         else:
             stream = self._active(message)
             if isinstance(message, protocol.Text):
-                self._push(stream, message.text)
+                await self._push(stream, message.text)
             elif isinstance(message, protocol.Flush):
                 self._flush(stream)
             elif isinstance(message, protocol.End):
@@ -448,7 +448,7 @@ class Connection:
         stream.task = asyncio.create_task(self._pump(stream), name=f"intone-ws-{stream.request_id}")
         try:
             if message.text:
-                self._push(stream, message.text, cause="start")
+                await self._push(stream, message.text, cause="start")
             if message.end:
                 self._end(stream, "start")
         except ProtocolError as e:
@@ -460,7 +460,7 @@ class Connection:
 
     # ---- input
 
-    def _push(self, stream: WsStream, text: str, cause: str = "text") -> None:
+    async def _push(self, stream: WsStream, text: str, cause: str = "text") -> None:
         def refuse(code: ErrorCode, detail: str) -> ProtocolError:
             return ProtocolError(code, detail, stream.id, cause=cause)
 
@@ -481,7 +481,7 @@ class Connection:
             error.retry_after = e.retry_after
             raise error from None
         try:
-            stream.engine_stream.push_text(text)
+            await stream.engine_stream.push_long_text(text)
         except (EngineError, ValueError) as e:
             raise refuse(protocol.engine_error_code(e), str(e)) from None
         except RuntimeError as e:  # an untyped "no longer takes input"
