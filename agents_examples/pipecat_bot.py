@@ -7,7 +7,9 @@ A client sends JSON text messages and gets raw 16-bit mono PCM back as binary me
     {"type": "reply", "text": "..."}  spoken as an LLM turn: streamed word by word
     {"type": "speak", "text": "..."}  spoken as one TTSSpeakFrame
     {"type": "interrupt"}             barge-in: stops the audio and the engine request
-    server -> client: binary PCM, and {"type": "tts_started"} / {"type": "tts_stopped"}
+    server -> client: binary PCM, {"type": "tts_started"} / {"type": "tts_stopped"} around each
+    turn's audio, and {"type": "error", "message": "..."} for a message it cannot use or a turn
+    the TTS failed
 
 Put your STT and LLM services in front of the TTS for a voice agent; the TTS is the same.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -45,6 +48,7 @@ SAMPLE_RATE = 24000  # the transport's output rate; the service resamples if it 
 def make_app(model: str | None, voice: str | None, base_url: str | None, sample_rate: int) -> Any:
     from fastapi import FastAPI
     from pipecat.frames.frames import (
+        ErrorFrame,
         Frame,
         InputAudioRawFrame,
         InputTransportMessageFrame,
@@ -89,10 +93,17 @@ def make_app(model: str | None, voice: str | None, base_url: str | None, sample_
                 return InputTransportMessageFrame(message={"type": "reply", "text": data})
 
     class TextTurns(FrameProcessor):
-        """Client messages to what an STT + LLM would send the TTS."""
+        """Client messages to what an STT + LLM would send the TTS; the TTS's errors (they
+        travel upstream) back to the client."""
+
+        async def tell_client(self, error: str) -> None:
+            message = {"type": "error", "message": error}
+            await self.push_frame(OutputTransportMessageFrame(message=message))
 
         async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
             await super().process_frame(frame, direction)
+            if isinstance(frame, ErrorFrame) and direction == FrameDirection.UPSTREAM:
+                await self.tell_client(frame.error)
             if not isinstance(frame, InputTransportMessageFrame):
                 if not isinstance(frame, InputAudioRawFrame):
                     await self.push_frame(frame, direction)
@@ -110,6 +121,12 @@ def make_app(model: str | None, voice: str | None, base_url: str | None, sample_
                 for i, word in enumerate(text.split(" ")):
                     await self.push_frame(LLMTextFrame(word if i == 0 else " " + word))
                 await self.push_frame(LLMFullResponseEndFrame())
+            elif kind in ("speak", "reply"):
+                await self.tell_client(f"nothing to say: {kind} needs a non-blank text")
+            else:
+                await self.tell_client(
+                    f"unknown message type {kind!r}: use reply, speak, interrupt"
+                )
 
     class TurnEvents(FrameProcessor):
         """Tell the client where each turn's audio starts and ends."""
@@ -163,28 +180,54 @@ def make_app(model: str | None, voice: str | None, base_url: str | None, sample_
     return app
 
 
-async def say(url: str, text: str, out: str, sample_rate: int, interrupt_after: float | None):
-    """A client: send one reply, collect the audio until the turn stops, write a WAV."""
+class BotError(Exception):
+    """The bot refused the text, its TTS failed, or it went silent."""
+
+
+async def say(
+    url: str,
+    text: str,
+    out: str,
+    sample_rate: int,
+    interrupt_after: float | None,
+    timeout: float = 30.0,
+) -> None:
+    """A client: send one reply, collect the audio until the turn stops, write a WAV.
+
+    BotError if the bot answers with an error, or sends nothing for `timeout` seconds."""
     import websockets
 
     pcm = bytearray()
-    async with websockets.connect(url) as ws:
+    async with websockets.connect(url, open_timeout=timeout) as ws:
         await ws.send(json.dumps({"type": "reply", "text": text}))
         started = time.perf_counter()
         first_audio = None
         while True:
-            timeout = None
+            barge_in = None
             if interrupt_after is not None:
-                timeout = max(0.0, started + interrupt_after - time.perf_counter())
+                barge_in = max(0.0, started + interrupt_after - time.perf_counter())
+                barge_in = barge_in if barge_in < timeout else None
             try:
-                message = await asyncio.wait_for(ws.recv(), timeout)
+                message = await asyncio.wait_for(
+                    ws.recv(), timeout if barge_in is None else barge_in
+                )
             except TimeoutError:
+                if barge_in is None:
+                    raise BotError(f"the bot sent nothing for {timeout:g} s") from None
                 await ws.send(json.dumps({"type": "interrupt"}))
                 break
+            except websockets.ConnectionClosed as e:
+                raise BotError(f"the bot closed the connection ({e})") from None
             if isinstance(message, bytes):
                 first_audio = first_audio or time.perf_counter() - started
                 pcm += message
-            elif json.loads(message).get("type") == "tts_stopped":
+                continue
+            event = json.loads(message)
+            if event.get("type") == "error":
+                raise BotError(event.get("message", "error"))
+            if event.get("type") == "tts_stopped":
+                if not pcm:
+                    raise BotError(await _reason(ws) or "the turn ended with no audio")
                 break
     with wave.open(out, "wb") as wav:
         wav.setnchannels(1)
@@ -193,6 +236,20 @@ async def say(url: str, text: str, out: str, sample_rate: int, interrupt_after: 
         wav.writeframes(bytes(pcm))
     seconds = len(pcm) / 2 / sample_rate
     print(f"{seconds:.2f} s of audio (first after {first_audio or 0:.3f} s) -> {out}")
+
+
+async def _reason(ws: Any) -> str | None:
+    """The error the bot sends after a turn that failed, if one comes within a second (the
+    TTS's error travels upstream and back, so it may come after the turn's tts_stopped)."""
+    import websockets
+
+    with contextlib.suppress(TimeoutError, websockets.ConnectionClosed):
+        async with asyncio.timeout(1.0):
+            while True:
+                message = await ws.recv()
+                if isinstance(message, str) and json.loads(message).get("type") == "error":
+                    return json.loads(message).get("message")
+    return None
 
 
 def main() -> None:
@@ -211,6 +268,7 @@ def main() -> None:
     client.add_argument("--out", default="bot.wav")
     client.add_argument("--sample-rate", type=int, default=SAMPLE_RATE)
     client.add_argument("--interrupt-after", type=float, default=None, help="barge in after S s")
+    client.add_argument("--timeout", type=float, default=30.0, help="give up after S s of silence")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -220,7 +278,19 @@ def main() -> None:
         app = make_app(args.model, args.voice, args.base_url, args.sample_rate)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     else:
-        asyncio.run(say(args.url, args.text, args.out, args.sample_rate, args.interrupt_after))
+        try:
+            asyncio.run(
+                say(
+                    args.url,
+                    args.text,
+                    args.out,
+                    args.sample_rate,
+                    args.interrupt_after,
+                    args.timeout,
+                )
+            )
+        except (BotError, OSError) as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -370,6 +370,12 @@ async def test_example_bot_over_a_websocket(engine: Engine, tiny_checkpoint: Pat
             assert wav.getframerate() == 16000 and wav.getnframes() > 0
         assert engine.metrics()["requests_completed"] == completed + 1
 
+        # What the bot cannot speak comes back as an error, not as a wait with no end: a blank
+        # reply (refused by the bot), and a reply the TTS refused (its ErrorFrame, forwarded).
+        for text, error in (("   ", "nothing to say"), ("\udcff", "no text")):
+            with pytest.raises(example.BotError, match=error):
+                await example.say(f"{url}/ws", text, str(out), 16000, None, timeout=20)
+
         cancelled = engine.metrics()["requests_cancelled"]
         long = " ".join(["A long reply that the client interrupts, clause after clause."] * 8)
         await example.say(f"{url}/ws", long, str(out), 16000, 0.3)
