@@ -28,7 +28,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from intone.provider.client import IntoneClient
+from intone.provider.client import IntoneClient, IntoneError
 
 
 def open_speaker(sample_rate: int) -> Any | None:
@@ -115,10 +115,15 @@ def main() -> None:
     parser.add_argument("--word-delay", type=float, default=0.05, help="seconds between words")
     parser.add_argument("--out", type=Path, help="write a WAV file instead of playing")
     args = parser.parse_args()
+    if args.out is not None and not args.out.parent.is_dir():
+        parser.error(f"--out: no folder {args.out.parent}")  # known before any audio is made
     text = " ".join(args.text) if args.text else sys.stdin.read()
     if not text.strip():
         parser.error("no text: pass it as arguments or on stdin")
-    asyncio.run(speak(args, text.strip()))
+    try:
+        asyncio.run(speak(args, text.strip()))
+    except (IntoneError, OSError) as e:  # the server's refusal, or no server at --url
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import soxr
 from test_server_support import (
     LONG_TEXT,
@@ -279,3 +282,35 @@ async def test_streams_without_text_do_not_block_others(server, engine):
         for stream in waiting[1:]:
             await stream.cancel()
     await wait_engine_idle(engine, pages)
+
+
+async def test_the_example_client(server, tmp_path):
+    """agents_examples/websocket_client.py, as a user runs it: text from stdin, word by word,
+    into a WAV; a refused option is one line on stderr, not a traceback."""
+    example = Path(__file__).parent.parent / "agents_examples" / "websocket_client.py"
+    out = tmp_path / "out.wav"
+
+    async def run(*args: str, stdin: bytes = b"") -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(example),
+            "--url",
+            server.url.replace("http", "ws"),
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(stdin), 60)
+        return process.returncode, stdout.decode(), stderr.decode()
+
+    code, stdout, stderr = await run(
+        "--word-by-word", "--word-delay", "0", "--out", str(out), stdin=b"Hello there, friend."
+    )
+    assert code == 0, stderr
+    assert "TTFA" in stdout and "wrote" in stdout
+    samples, rate = soundfile.read(str(out))
+    assert rate == 24000 and len(samples) > 0
+
+    code, stdout, stderr = await run("--speed", "5", "--out", str(out), "Hello there.")
+    assert code == 1 and stderr.strip() == "error: bad_options: speed must be in [0.5, 2], got 5"
