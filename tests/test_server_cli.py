@@ -115,3 +115,27 @@ def test_serve_reports_a_bad_voices_dir(tiny_checkpoint, tmp_path):
     assert result.returncode == 1
     assert "is not a directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path):
+    """It was uvicorn's bind error after the whole load (minutes for a model from the Hub)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable, "-m", "intone.provider.cli", "serve",
+                "--model", str(tmp_path / "never-loaded"), "--port", str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr

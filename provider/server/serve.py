@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ def serve(options: ServeOptions) -> None:
     specs: list[str | None] = (
         list(options.model) if isinstance(options.model, list) else [options.model]
     ) or [None]
+    # Bound before the models load (seconds, minutes from the Hub): a port in use fails now.
+    # Clients are refused until the server listens, once everything is ready.
+    sockets = bind_sockets(options.host, options.port)
     engines: list[Engine] = []
     try:
         for spec in specs:
@@ -76,11 +80,39 @@ def serve(options: ServeOptions) -> None:
         app = create_app(engines, voices_dir=options.voices_dir, settings=settings)
         config = uvicorn_config(app, settings, options.host, options.port)
         server = DrainingServer(config, app.state.intone, settings.drain_timeout)
-        asyncio.run(_run(server))
+        asyncio.run(_run(server, sockets))
     finally:
+        for sock in sockets:
+            sock.close()
         for engine in engines:
             engine.close()
         logger.info("engine released; bye")
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of `host` (as asyncio's `create_server` binds them), not
+    yet listening. ValueError, which the CLI reports in one line, if one cannot be bound."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise ValueError(f"cannot listen on {address[0]}:{port}: {e.strerror}") from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def prepare_settings(options: ServeOptions) -> ServerSettings:
@@ -198,13 +230,13 @@ def closing_websocket_protocol(grace: float) -> type[asyncio.Protocol] | str:
     return ClosingWebSocketProtocol
 
 
-async def _run(server: DrainingServer) -> None:
+async def _run(server: DrainingServer, sockets: list[socket.socket]) -> None:
     # Voices are loaded before the port opens, so the first client finds them all.
     try:
         await server.runtime.ready()
     except EngineUnavailableError as e:
         raise (e.__cause__ or e) from None  # a bad --voices DIR: the CLI reports it, exit 1
-    await server.serve()
+    await server.serve(sockets)
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
