@@ -62,6 +62,7 @@ from intone.engine.model_runner import ModelRunner
 from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
+from intone.engine.pacing import Playback
 from intone.engine.precision import resolve_precision
 from intone.engine.scheduler import Need, Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
@@ -136,8 +137,9 @@ class EngineConfig:
     # A stream with no text pushed and no audio pending or in flight for this long ends with
     # IdleTimeoutError; None disables it. The server sets its own (30 s by default).
     idle_timeout_s: float | None = 300.0
-    # Playback pacing: a stream more than lead_s seconds of audio ahead of its playback takes
-    # no AR steps until playback catches up. None: as fast as possible (offline rendering).
+    # Playback pacing: a stream more than lead_s seconds of audio (as heard, after `speed`)
+    # ahead of its playback takes no AR steps until playback catches up. None: as fast as
+    # possible (offline rendering).
     lead_s: float | None = 2.0
     # A stream whose consumer has this many seconds of audio unread stops generating (it is
     # not dropped) until the consumer reads; None: unbounded.
@@ -473,6 +475,7 @@ class Engine:
             generator=make_generator(options.seed),
             metrics=RequestMetrics(submitted_at=now(), sample_rate=self.sample_rate),
             options=options,
+            playback=Playback(options.speed),
             tenant=tenant,
         )
         splitter = ClauseSplitter(
@@ -656,8 +659,9 @@ class Engine:
     # ---- pacing and idle streams
 
     def _lead(self, request: Request, t: float) -> float:
-        """Seconds of the request's audio generated ahead of its playback."""
-        return request.frames_generated * self._frame_seconds - request.playback.position(t)
+        """Listening seconds of the request's audio generated ahead of its playback."""
+        generated = request.frames_generated * self._frame_seconds / request.playback.speed
+        return generated - request.playback.position(t)
 
     def unread_seconds(self, request: Request) -> float:
         """Seconds of the request's audio its consumer has not read: delivered and waiting, or

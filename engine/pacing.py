@@ -7,6 +7,10 @@ underrun). The AR stage compares the audio a stream has generated with that posi
 more than `lead_s` ahead takes no AR steps until playback catches up, so its row's compute goes
 to streams that are behind and to new requests. Pacing never changes the audio: a held stream
 simply takes its next step later, on its own generator.
+
+Everything here is in the listener's seconds: with `speed` (time-scaling after the decoder) a
+model frame lasts `frame / speed` when heard, and that is what a report counts and what runs
+out on an underrun.
 """
 
 from __future__ import annotations
@@ -18,20 +22,22 @@ class Playback:
     """Where a stream's listener is. Written by the decoder thread (deliveries) and the caller
     (reports), read by the AR thread; a small lock keeps the three consistent."""
 
-    def __init__(self) -> None:
+    def __init__(self, speed: float = 1.0) -> None:
         self._lock = threading.Lock()
-        self.delivered = 0.0  # seconds of audio handed to the stream
+        self.speed = speed
+        self.delivered = 0.0  # listening seconds of audio handed to the stream
         self.last_delivery_at: float | None = None
         self._position = 0.0
         self._at: float | None = None  # when `_position` was last brought up to date
         self._reported = False
 
     def deliver(self, seconds: float, now: float) -> None:
+        """`seconds` of model audio (before `speed`) reached the stream."""
         with self._lock:
             self._advance(now)
             if self._at is None:
                 self._at = now  # the clock starts at the first delivered sample
-            self.delivered += seconds
+            self.delivered += seconds / self.speed
             self.last_delivery_at = now
 
     def report(self, seconds: float, now: float) -> None:

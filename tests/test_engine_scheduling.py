@@ -36,6 +36,7 @@ from test_engine import (
 
 from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
+from intone.engine.engine import DUE_LEAD_SHARE
 from intone.engine.metrics import EngineMetrics
 from intone.engine.sequence import Request
 
@@ -217,6 +218,36 @@ async def test_playback_reports_pace_generation(make_engine) -> None:
     for bad in (-1.0, float("nan"), float("inf"), "1"):
         with pytest.raises(InvalidOptionError):
             stream.report_playback(bad)
+    stream.cancel()
+
+
+@pytest.mark.parametrize("speed", [2.0, 0.5])
+async def test_pacing_counts_in_the_listeners_seconds(make_engine, speed: float) -> None:
+    """With `speed`, a model frame lasts 80 ms / speed for the listener: the lead and the
+    reported playback are the listener's seconds, so generation holds at `lead_s` of what will
+    be heard, whatever the tempo. (A stream steps again once it is under `DUE_LEAD_SHARE` of
+    the lead, so it may rest anywhere between that and the lead.)"""
+    lead_s = 0.4
+    low = DUE_LEAD_SHARE * lead_s
+    engine = make_engine(lead_s=lead_s)
+    stream = engine.stream(None, options(6, max_frames=60, speed=speed))
+    stream.report_playback(0.0)
+    stream.push_text(TEXTS[2])
+    frame_s = 1920 / 24000
+
+    async def settle() -> float:
+        """Listening seconds generated, once they stop growing."""
+        before = -1
+        while (now := stream.request.frames_generated) != before:
+            before = now
+            await asyncio.sleep(0.15)
+        return now * frame_s / speed
+
+    heard_ahead = await asyncio.wait_for(settle(), TIMEOUT)
+    assert low <= heard_ahead <= lead_s + 2 * frame_s / speed, heard_ahead
+    stream.report_playback(1.0)
+    later = await asyncio.wait_for(settle(), TIMEOUT)
+    assert 1.0 + low <= later <= 1.0 + lead_s + 2 * frame_s / speed, later
     stream.cancel()
 
 
