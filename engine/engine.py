@@ -629,14 +629,14 @@ class Engine:
                     # Held streams, with a row or parked for pacing: while there are any, the
                     # thread polls (playback moves on without telling it).
                     held = sum(
-                        self._held(r, t)
+                        self.held(r, t)
                         for r in [*self.scheduler.running, *self.scheduler.waiting]
                         if r.frames_generated
                     )
                     self._metrics_paced(held, t - last)
                     last = t
                     batch = self.scheduler.schedule(
-                        partial(self._held, t=t),
+                        partial(self.held, t=t),
                         partial(self._lead, t=t),
                         partial(self._need, t=t),
                     )
@@ -668,7 +668,7 @@ class Engine:
         still in the decoder (counting only delivered audio lets a decoder backlog overshoot)."""
         return request.frames_generated * self._frame_seconds - request.read_seconds
 
-    def _held(self, request: Request, t: float) -> bool:
+    def held(self, request: Request, t: float) -> bool:
         """Pacing holds the request: far ahead of playback, or too much audio unread."""
         limit = self.config.max_unread_s
         if limit is not None and self.unread_seconds(request) > limit:
@@ -688,7 +688,7 @@ class Engine:
         clauses only pacing counts (a stream not due then gives its row to a waiting one): the
         latents still to decode say how far the decoder lags, not how soon the listener needs
         the next clause."""
-        if self._held(request, t):
+        if self.held(request, t):
             return Need.NONE
         lead_s = self.config.lead_s
         paced_due = lead_s is None or self._lead(request, t) < DUE_LEAD_SHARE * lead_s

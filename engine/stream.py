@@ -23,7 +23,7 @@ from intone.engine.errors import (
     TextTooLongError,
 )
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
-from intone.engine.sequence import Clause, Request, RequestMetrics, now
+from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.timeline import Timeline
 
@@ -119,6 +119,14 @@ class Stream:
         """Seconds of this stream's audio generated and not read yet (`EngineConfig.max_unread_s`
         bounds it)."""
         return self._engine.unread_seconds(self.request)
+
+    def held(self) -> bool:
+        """Whether this stream has text to speak that pacing keeps it from speaking now: it is
+        `EngineConfig.lead_s` ahead of its playback, or has `max_unread_s` unread. It makes
+        no audio until the listener moves on (with reports, until it reports again)."""
+        request = self.request
+        working = bool(request.pending) or request.phase in (Phase.PREFILL, Phase.GENERATING)
+        return working and self._engine.held(request, now())
 
     def report_playback(self, seconds: float) -> None:
         """How many seconds of this stream's audio the listener has played.

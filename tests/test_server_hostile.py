@@ -439,3 +439,26 @@ async def test_playback_reports_pace_the_stream(tiny_checkpoint):
                     pass
             assert info.value.code == "slow_client"
         await wait_engine_idle(engine, pages)
+
+
+async def test_a_client_that_stops_reporting_playback_is_given_up_on(tiny_checkpoint):
+    # The engine holds the stream lead_s ahead of the last report, far under
+    # max_buffered_audio: the server's own buffer never fills, and the stream would be silent
+    # until max_stream_seconds.
+    with running_server(
+        tiny_checkpoint, engine_config=dict(lead_s=0.5), slow_client_timeout=1.5
+    ) as (server, engine):
+        pages = idle_pages(engine)
+        async with IntoneClient(server.url) as client:
+            options = {"eos_threshold": 1e9, "max_frames": 100}
+            stream = await client.stream(format="pcm_f32le", options=options)
+            await stream.push_text(LONG_TEXT[:300])
+            await stream.playback(0.2)  # one report, then none
+            started = time.monotonic()
+            with pytest.raises(IntoneError) as info:
+                async with asyncio.timeout(30):
+                    async for _ in stream:
+                        pass
+            assert info.value.code == "slow_client"
+            assert time.monotonic() - started >= 1.5
+        await wait_engine_idle(engine, pages)

@@ -99,9 +99,12 @@ def make_engine(checkpoint: Path, **config: Any) -> Engine:
 
 @contextlib.contextmanager
 def running_server(
-    checkpoint: Path, voices_dir: Path | None = None, **settings: Any
+    checkpoint: Path,
+    voices_dir: Path | None = None,
+    engine_config: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> Iterator[tuple[ServerThread, Engine]]:
-    engine = make_engine(checkpoint)
+    engine = make_engine(checkpoint, **(engine_config or {}))
     app = create_app(
         engine, voices_dir=voices_dir, settings=ServerSettings(**{**TEST_SETTINGS, **settings})
     )

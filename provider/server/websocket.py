@@ -9,9 +9,12 @@ follows the `cancelled` event.
 Nothing waits on the client without a bound: a stream's pump stops taking audio from the engine
 while `max_buffered_audio` seconds of it wait to be sent (or, with `playback` reports, while it
 is that far ahead of the listener); a send that does not complete within `slow_client_timeout`
-drops the connection (close 4409) and releases its streams; a connection with no stream that
-sends nothing for `ws_idle_timeout` is closed (4408); a stream older than `max_stream_seconds`
-ends with `stream_timeout`. The runtime's watchdog calls `watch()` for the timeouts.
+drops the connection (close 4409) and releases its streams; a stream paced by `playback`
+reports that has waited that long on its listener with no new report ends with `slow_client`
+(the engine holds it `lead_s` ahead of the last report, well inside the buffer); a
+connection with no stream that sends nothing for `ws_idle_timeout` is closed (4408); a stream
+older than `max_stream_seconds` ends with `stream_timeout`. The runtime's watchdog calls
+`watch()` for the timeouts.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class WsStream:
         self.audio_seconds = 0.0  # handed to the writer so far
         self.queued_seconds = 0.0  # of that, still waiting in the outbox
         self.played_seconds: float | None = None  # from the client's `playback` messages
+        self.reported_at: float | None = None  # when the last of them came
+        self.held_since: float | None = None  # waiting on the listener since (see `watch`)
         self.room = asyncio.Event()  # set whenever the buffer may have room again
         self.input_ended = False
         self.cancelled = False  # no audio for it leaves the writer once set
@@ -217,13 +222,16 @@ class Connection:
         await self.websocket.close(close, str(code))
 
     def watch(self, now: float) -> None:
-        """Called by the runtime's watchdog: drop a client that stopped reading, close a
-        connection idle for too long."""
+        """Called by the runtime's watchdog: drop a client that stopped reading, end a stream
+        whose listener stopped reporting playback, close a connection idle for too long."""
         if self._closing:
             return
         sending = self._sending_since
-        if sending is not None and now - sending > self.settings.slow_client_timeout:
-            self._drop_slow_client(f"no audio taken for {self.settings.slow_client_timeout:g} s")
+        timeout = self.settings.slow_client_timeout
+        for stream in list(self.streams.values()):
+            self._watch_playback(stream, now)
+        if sending is not None and now - sending > timeout:
+            self._drop_slow_client(f"no audio taken for {timeout:g} s")
         elif not self.streams and now - self.last_message_at > self.settings.ws_idle_timeout:
             self._closing = True
             self.log.info("closing an idle connection")
@@ -234,6 +242,31 @@ class Connection:
                 )
             )
             self._outbox.put_nowait((_CLOSE, (CloseCode.IDLE_TIMEOUT, "idle_timeout"), 0.0))
+
+    def _watch_playback(self, stream: WsStream, now: float) -> None:
+        """A stream paced by `playback` reports makes no audio while it is far ahead of the
+        last one (the engine holds it `lead_s` ahead, the pump `max_buffered_audio` ahead):
+        after `slow_client_timeout` held with no new report it ends with `slow_client`."""
+        if stream.reported_at is None:
+            return  # unpaced, or paced by the engine's own clock: it moves on by itself
+        ahead = stream.audio_seconds - (stream.played_seconds or 0.0)
+        if not (stream.engine_stream.held() or ahead > self.settings.max_buffered_audio):
+            stream.held_since = None
+            return
+        if stream.held_since is None:
+            stream.held_since = now
+        timeout = self.settings.slow_client_timeout
+        if now - max(stream.held_since, stream.reported_at) <= timeout:
+            return
+        self._fail(stream)
+        self._error(
+            ProtocolError(
+                ErrorCode.SLOW_CLIENT,
+                f"no playback report for {timeout:g} s while {ahead:.1f} s ahead of the last",
+                stream.id,
+                final=True,
+            )
+        )
 
     def _drop_slow_client(self, why: str) -> None:
         """The client is not reading: release its streams now, then close (the close frame
@@ -332,6 +365,7 @@ class Connection:
                 self._end(stream, "end")
             elif isinstance(message, protocol.Playback):
                 stream.played_seconds = max(stream.played_seconds or 0.0, message.seconds)
+                stream.reported_at = time.perf_counter()
                 # The engine paces the stream's generation by the same position.
                 stream.engine_stream.report_playback(stream.played_seconds)
                 stream.room.set()
@@ -564,27 +598,11 @@ class Connection:
 
     async def _wait_for_room(self, stream: WsStream) -> None:
         """Hold the pump while the client has `max_buffered_audio` seconds not yet taken (or
-        heard). A writer stuck on the socket is the watchdog's business; a client that stops
-        reporting playback is given up on here, after the slow-client timeout."""
-        limit = self.settings.max_buffered_audio
-        while not stream.finished and stream.buffered() > limit:
+        heard). Both ways of waiting forever are the watchdog's business: a writer stuck on
+        the socket drops the connection, a listener that stops reporting ends the stream."""
+        while not stream.finished and stream.buffered() > self.settings.max_buffered_audio:
             stream.room.clear()
-            try:
-                await asyncio.wait_for(stream.room.wait(), self.settings.slow_client_timeout)
-            except TimeoutError:
-                if stream.finished or stream.queued_seconds > limit:
-                    continue  # the writer is stuck: the watchdog drops the connection
-                self._fail(stream)
-                self._error(
-                    ProtocolError(
-                        ErrorCode.SLOW_CLIENT,
-                        f"no playback report for {self.settings.slow_client_timeout:g} s while "
-                        f"{limit:g} s ahead of it",
-                        stream.id,
-                        final=True,
-                    )
-                )
-                return
+            await stream.room.wait()
 
     def _send_audio(self, stream: WsStream, pcm: bytes) -> None:
         if not pcm or stream.cancelled:
