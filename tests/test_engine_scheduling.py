@@ -34,7 +34,7 @@ from test_engine import (
     wait_idle,
 )
 
-from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError
+from intone.engine import EngineFullError, IdleTimeoutError, InvalidOptionError, Stream
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.engine import DUE_LEAD_SHARE
 from intone.engine.metrics import EngineMetrics
@@ -195,25 +195,25 @@ async def test_pacing_never_changes_the_audio(make_engine, reference: Reference)
     await wait_idle(engine, floor)
 
 
+async def settled_frames(stream: Stream) -> int:
+    """The stream's generated frames once they stop growing (pacing holds it)."""
+    before = -1
+    while (frames := stream.request.frames_generated) != before:
+        before = frames
+        await asyncio.sleep(0.15)
+    return frames
+
+
 async def test_playback_reports_pace_generation(make_engine) -> None:
     engine = make_engine(lead_s=0.4)
     stream = engine.stream(None, options(6, max_frames=60))
     stream.report_playback(0.0)
     stream.push_text(TEXTS[2])
     frame_s = 1920 / 24000
-
-    async def settle() -> float:
-        """Generated audio once it stops growing."""
-        before = -1
-        while (now := stream.request.frames_generated) != before:
-            before = now
-            await asyncio.sleep(0.15)
-        return now * frame_s
-
-    ahead = await asyncio.wait_for(settle(), TIMEOUT)
+    ahead = await asyncio.wait_for(settled_frames(stream), TIMEOUT) * frame_s
     assert ahead <= 0.4 + 2 * frame_s, ahead
     stream.report_playback(1.5)
-    later = await asyncio.wait_for(settle(), TIMEOUT)
+    later = await asyncio.wait_for(settled_frames(stream), TIMEOUT) * frame_s
     assert 1.5 < later <= 1.9 + 2 * frame_s, later
     for bad in (-1.0, float("nan"), float("inf"), "1"):
         with pytest.raises(InvalidOptionError):
@@ -233,21 +233,12 @@ async def test_pacing_counts_in_the_listeners_seconds(make_engine, speed: float)
     stream = engine.stream(None, options(6, max_frames=60, speed=speed))
     stream.report_playback(0.0)
     stream.push_text(TEXTS[2])
-    frame_s = 1920 / 24000
-
-    async def settle() -> float:
-        """Listening seconds generated, once they stop growing."""
-        before = -1
-        while (now := stream.request.frames_generated) != before:
-            before = now
-            await asyncio.sleep(0.15)
-        return now * frame_s / speed
-
-    heard_ahead = await asyncio.wait_for(settle(), TIMEOUT)
-    assert low <= heard_ahead <= lead_s + 2 * frame_s / speed, heard_ahead
+    heard_frame_s = 1920 / 24000 / speed
+    heard_ahead = await asyncio.wait_for(settled_frames(stream), TIMEOUT) * heard_frame_s
+    assert low <= heard_ahead <= lead_s + 2 * heard_frame_s, heard_ahead
     stream.report_playback(1.0)
-    later = await asyncio.wait_for(settle(), TIMEOUT)
-    assert 1.0 + low <= later <= 1.0 + lead_s + 2 * frame_s / speed, later
+    later = await asyncio.wait_for(settled_frames(stream), TIMEOUT) * heard_frame_s
+    assert 1.0 + low <= later <= 1.0 + lead_s + 2 * heard_frame_s, later
     stream.cancel()
 
 
