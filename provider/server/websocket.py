@@ -30,7 +30,14 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 
-from intone.engine import AudioChunk, ClauseDone, Engine, EngineError, GenerationOptions
+from intone.engine import (
+    AudioChunk,
+    ClauseDone,
+    Engine,
+    EngineError,
+    GenerationOptions,
+    IdleTimeoutError,
+)
 from intone.engine import Stream as EngineStream
 from intone.provider.server import protocol
 from intone.provider.server.access import websocket_key
@@ -584,7 +591,9 @@ class Connection:
         except Exception as e:  # EngineError, or a bug: either way this stream is over
             if stream.finished:
                 return
-            stream.log.error("stream failed: %s", e, exc_info=not isinstance(e, EngineError))
+            # An idle timeout is the client's doing (it sent no text), not the server's fault.
+            level = logging.INFO if isinstance(e, IdleTimeoutError) else logging.ERROR
+            stream.log.log(level, "stream ended: %s", e, exc_info=not isinstance(e, EngineError))
             self._fail(stream)
             code = protocol.engine_error_code(e) if isinstance(e, EngineError) else None
             self._error(
