@@ -95,6 +95,7 @@ class DecoderWorker:
         sample_rate: int,
         max_batch: int,
         max_frames_per_call: int,
+        max_row_frames_per_call: int,
         on_released: Callable[[Request], None],
         on_finished: Callable[[Request, FinishItem], None],
         on_failed: Callable[[Request, Exception], None],
@@ -109,6 +110,7 @@ class DecoderWorker:
         self.sample_rate = sample_rate
         self.max_batch = max_batch
         self.max_frames_per_call = max_frames_per_call
+        self.max_row_frames_per_call = max_row_frames_per_call
         self.on_released = on_released
         self.on_finished = on_finished
         self.on_failed = on_failed
@@ -205,8 +207,10 @@ class DecoderWorker:
         The stream with the least audio buffered ahead of its listener sets the call's frames
         (its leading latents), and the streams with at least that many latents waiting ride
         along, least buffered first: if it is near an underrun, only those near one too, so its
-        call stays short. Paced and with nobody near one: calls of at most `max_batch`
-        row-frames, and none while a first latent is due."""
+        call stays short. Rows take fewer frames where the call would pass
+        `max_row_frames_per_call`: no call keeps the others waiting long (a call cannot be
+        interrupted for a stream that starts meanwhile). Paced and with nobody near one: calls
+        of at most `max_batch` row-frames, and none while a first latent is due."""
         t = now()
         waiting = []  # (buffered, leading latents, items), least buffered first
         for items in self._pending.values():
@@ -216,6 +220,8 @@ class DecoderWorker:
             return []
         waiting.sort(key=lambda row: row[0])
         head, frames, _ = waiting[0]
+        rows = min(len(waiting), self.max_batch)
+        frames = max(1, min(frames, self.max_row_frames_per_call // rows))
         if self.paced and head >= URGENT_S:
             if self.first_frames_due:
                 return []

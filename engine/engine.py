@@ -151,6 +151,11 @@ class EngineConfig:
     max_frames: int | None = None  # per clause, on top of the model's own estimate
     flow_steps: int = 1
     max_decode_frames: int = 4  # latents per request per decode call, when several wait
+    # Row-frames (rows x frames) per decode call, past which rows take fewer frames: a call is
+    # not preemptible, and a stream that just started has only two frames (160 ms) to play
+    # while it waits. 64 keeps a 2M-model call near 40 ms (64 x 4 took 150-300 ms); per
+    # row-frame a call costs about the same from 64 up (docs/benchmarks.md).
+    max_decode_row_frames: int = 64
     # Calls of one shape after which the CPU decoder replays it as a TorchScript trace, which
     # does not hold the GIL the AR thread needs (engine/models/pocket/traces.py); None: eager.
     decoder_trace_after: int | None = TRACE_AFTER_CALLS
@@ -173,7 +178,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
         resolve_precision(self.dtype, self.device)
         positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
-        for name in positive + ("max_decode_frames", "max_streams"):
+        for name in positive + ("max_decode_frames", "max_decode_row_frames", "max_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
         for name in ("max_rows_per_tenant", "decoder_trace_after"):
@@ -281,6 +286,7 @@ class Engine:
             self.sample_rate,
             max_batch=config.max_active,
             max_frames_per_call=config.max_decode_frames,
+            max_row_frames_per_call=config.max_decode_row_frames,
             on_released=self._decoder_released,
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,

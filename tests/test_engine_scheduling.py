@@ -360,7 +360,7 @@ async def test_a_new_streams_first_frames_are_decoded_as_their_latents_come(
 
 
 def recording_worker(
-    engine, paced: bool = False
+    engine, paced: bool = False, max_row_frames: int = 64
 ) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
     """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
     (slots, frames per row) of every decode call it makes."""
@@ -375,8 +375,8 @@ def recording_worker(
     ignore = lambda *args: None  # noqa: E731
     worker = DecoderWorker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
-        max_frames_per_call=4, on_released=ignore, on_finished=ignore, on_failed=ignore,
-        on_fatal=ignore, paced=paced,
+        max_frames_per_call=4, max_row_frames_per_call=max_row_frames, on_released=ignore,
+        on_finished=ignore, on_failed=ignore, on_fatal=ignore, paced=paced,
     )  # fmt: skip
     return worker, calls
 
@@ -423,6 +423,23 @@ async def test_a_stream_near_an_underrun_is_decoded_before_streams_ahead(
         assert shapes == [(1, 1), (len(ahead), 4)]
     else:
         assert shapes == [(5, 1), (len(ahead), 3)]
+    for stream in streams:
+        stream.cancel()
+
+
+async def test_a_decode_call_takes_at_most_its_row_frames(make_engine) -> None:
+    """Many streams with a backlog are decoded a frame each per call, not four: a call cannot
+    be interrupted, and a stream that starts meanwhile has two frames to play while it lasts."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine, max_row_frames=16)
+    streams = [engine.stream(None, options(60 + i)) for i in range(12)]
+    t = time.perf_counter()
+    for stream in streams:
+        stream.request.frames_delivered = 1
+        stream.request.playback.deliver(1.0, t)
+    await decode_backlogs(worker, calls, [(s.request, 4) for s in streams], calls=2)
+    shapes = [(len(slots), frames) for slots, frames in calls[:2]]
+    assert shapes == [(12, 1), (12, 1)]  # 12 x 4 row-frames in one call without the cap
     for stream in streams:
         stream.cancel()
 
