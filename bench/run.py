@@ -111,6 +111,8 @@ async def run_worker(spec: dict) -> list[dict]:
         engine_options["dtype"] = "float32"
     if spec.get("max_active"):
         engine_options["max_active"] = spec["max_active"]
+    if spec.get("max_decode_row_frames"):
+        engine_options["max_decode_row_frames"] = spec["max_decode_row_frames"]
     if base != "batched-paced":
         # Generation as fast as the machine goes, as these modes have always measured: pacing
         # (the engine's default) would hold a fast reader's stream to real time.
@@ -254,6 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="EngineConfig.max_active of the in-process engine modes (default: the engine's, 16);"
         " a capacity sweep past 16 streams needs at least its concurrency",
     )
+    parser.add_argument(
+        "--max-decode-row-frames",
+        type=int,
+        default=None,
+        help="EngineConfig.max_decode_row_frames of the in-process engine modes (default: the"
+        " engine's, 64); a large value lets every decode call take all that waits",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -301,6 +310,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "paced_client": args.paced_client,
         "barge_in": args.barge_in,
         "max_active": args.max_active,
+        "max_decode_row_frames": args.max_decode_row_frames,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
