@@ -220,12 +220,12 @@ class DecoderWorker:
             return []
         waiting.sort(key=lambda row: row[0])
         head, frames, _ = waiting[0]
-        rows = min(len(waiting), self.max_batch)
-        frames = max(1, min(frames, self.max_row_frames_per_call // rows))
+        row_frames = self.max_row_frames_per_call
         if self.paced and head >= URGENT_S:
             if self.first_frames_due:
                 return []
-            frames = max(1, min(frames, self.max_batch // len(waiting)))
+            row_frames = min(row_frames, self.max_batch)
+        frames = max(1, min(frames, row_frames // min(len(waiting), self.max_batch)))
         # A stream near an underrun takes along only others near one: its call stays short.
         rows = [
             items

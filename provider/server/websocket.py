@@ -103,10 +103,14 @@ class WsStream:
 
     def buffered(self) -> float:
         """Seconds of audio the client has not taken (or, with playback reports, not heard)."""
-        ahead = self.queued_seconds
-        if self.played_seconds is not None:
-            ahead = max(ahead, self.audio_seconds - self.played_seconds)
-        return ahead
+        unheard = self.unheard()
+        return self.queued_seconds if unheard is None else max(self.queued_seconds, unheard)
+
+    def unheard(self) -> float | None:
+        """Seconds of audio sent past the listener's last reported position; None unreported."""
+        if self.played_seconds is None:
+            return None
+        return self.audio_seconds - self.played_seconds
 
     def shutdown(self) -> None:
         """The drain's deadline passed: cancel with a final event."""
@@ -254,16 +258,16 @@ class Connection:
         """A stream paced by `playback` reports makes no audio while it is far ahead of the
         last one (the engine holds it `lead_s` ahead, the pump `max_buffered_audio` ahead):
         after `slow_client_timeout` held with no new report it ends with `slow_client`."""
-        if stream.reported_at is None:
+        reported_at, ahead = stream.reported_at, stream.unheard()
+        if reported_at is None or ahead is None:
             return  # unpaced, or paced by the engine's own clock: it moves on by itself
-        ahead = stream.audio_seconds - (stream.played_seconds or 0.0)
         if not (stream.engine_stream.held() or ahead > self.settings.max_buffered_audio):
             stream.held_since = None
             return
         if stream.held_since is None:
             stream.held_since = now
         timeout = self.settings.slow_client_timeout
-        if now - max(stream.held_since, stream.reported_at) <= timeout:
+        if now - max(stream.held_since, reported_at) <= timeout:
             return
         self._fail(stream)
         self._error(
