@@ -370,7 +370,8 @@ def add_serve_command(commands: Any) -> None:
     )  # fmt: skip
     serve.add_argument(
         "--slow-client-timeout", type=float, default=30.0, metavar="S",
-        help="drop a client that takes no audio for this long (WebSocket close 4409)",
+        help="drop a client that takes no audio for this long (WebSocket close 4409); end a"
+        " stream paced by playback reports that gets none for this long while it waits",
     )  # fmt: skip
     serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
     serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
