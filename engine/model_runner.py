@@ -70,6 +70,11 @@ class GenerateInputs:
     rows: int
 
 
+# Positions reserved per AR lane: a 30 s voice prompt (375), a clause of 50 tokens and its
+# frames fit with room to spare; a longer context grows the lanes (KVLanes).
+LANE_POSITIONS = 1024
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -94,7 +99,9 @@ class ModelRunner:
         self.pool = self.flow_lm.new_kv_pool(
             (blocks.num_pages + 1) * blocks.page_size, device=device
         )
-        self.lanes = KVLanes(self.pool)
+        # Every row a step can have (bucket padding included), reserved now: see KVLanes.
+        rows = max([decoder_slots, *(self.batch_buckets or [])])
+        self.lanes = KVLanes(self.pool, rows, LANE_POSITIONS)
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(

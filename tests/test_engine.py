@@ -1072,11 +1072,15 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     assert m["generate_batch_mean"] > 1.0, m
     assert m["generate_batches"] < 4 * 5, m
     assert m["requests_completed"] == 4
-    # The AR rows' lanes: as many as the largest step had rows, each as long as the longest
-    # context, every layer's keys and values.
+    # The AR rows' lanes: reserved for every row, memory counted as far as the rows' contexts
+    # reached (in runs of 64 positions), every layer's keys and values.
     lanes = engine.runner.lanes
-    assert 2 <= lanes.keys.shape[1] <= 4 and lanes.capacity >= max(lanes.lengths)
-    assert m["kv_lanes_bytes"] == 2 * lanes.keys.numel() * lanes.keys.element_size() > 0
+    assert lanes.keys.shape[1] == engine.config.max_active
+    assert lanes.capacity >= max(lanes.lengths)
+    layers, _, heads, _, dim = lanes.keys.shape
+    written = sum(lanes.clean)
+    assert 0 < written <= 4 * 64 and max(lanes.lengths) <= max(lanes.clean)
+    assert m["kv_lanes_bytes"] == 2 * layers * heads * dim * lanes.keys.element_size() * written
 
     families = {f.name: f for f in text_string_to_metric_families(engine.prometheus().decode())}
     assert "intone_kv_pages_in_use" in families

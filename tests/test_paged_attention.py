@@ -516,3 +516,40 @@ def test_lanes_with_grouped_query_attention(kv_heads: int) -> None:
         want = PaddedGatherAttention(old_pool, steps).attend(layer, q, k, v)
         assert_relative(got, want[rows])
         assert torch.equal(pool.keys, old_pool.keys)
+
+
+@torch.no_grad()
+def test_reserved_lanes_stay_put_and_hide_memory_never_written() -> None:
+    """Lanes reserved for every row do not move when a step has more rows or longer contexts
+    than any before (a move zeroed and copied every lane while the step waited); memory of the
+    reservation never written (here NaN) is zeroed before a step reads it; a context past the
+    reservation grows it and still equals the previous path."""
+    heads, dim, layers = 4, 16, 2
+    gen = torch.Generator().manual_seed(3)
+    pool = KVPool(layers, 400, 2, dim)
+    pool.keys.normal_(generator=gen)
+    pool.values.normal_(generator=gen)
+    lanes = KVLanes(pool, rows=4, capacity=128)
+    lanes.keys.fill_(float("nan"))
+    lanes.values.fill_(float("nan"))
+    reserved = lanes.keys.data_ptr()
+    order = torch.randperm(400, generator=gen)
+
+    def step(lengths: list[int]) -> None:
+        steps = [SequenceStep(order[i * 80 : i * 80 + n], 1) for i, n in enumerate(lengths)]
+        q = torch.randn(len(steps), heads, dim, generator=gen)
+        k, v = torch.randn(2, len(steps), 2, dim, generator=gen)
+        old_pool = clone_pool(pool)
+        rows, _, attention = plan_lane_step(lanes, steps, list(steps))
+        got = attention.attend(0, q[rows], k[rows], v[rows])
+        want = PaddedGatherAttention(old_pool, steps).attend(0, q, k, v)
+        assert torch.isfinite(got).all()
+        assert_relative(got, want[rows])
+
+    step([5])
+    step([9, 70, 3, 40])  # more rows, longer contexts: same memory
+    assert lanes.keys.data_ptr() == reserved and lanes.capacity == 128
+    # A step reads every lane as far as its longest row (71 positions): zeroed in runs of 64.
+    assert lanes.clean == [128] * 4 and lanes.nbytes == 2 * 2 * layers * dim * 4 * 512
+    step([12, 150])  # past the reservation: it grows, once, to twice the positions
+    assert lanes.capacity == 256 and lanes.keys.shape[1] == 4

@@ -76,6 +76,9 @@ class KVPool:
         return self.keys[layer].index_select(1, slots), self.values[layer].index_select(1, slots)
 
 
+LANE_RUN = 64
+
+
 class KVLanes:
     """Each row of a decode batch's context as one dense run:
     [layers, lanes, kv_heads, capacity, head_dim] for keys and for values.
@@ -86,18 +89,25 @@ class KVLanes:
     read in place). Here row i of a step sits in lane i, so a step reads `[:rows, :, :length]`
     of a layer as a view. A row's context is copied in from the pool once, when it takes a lane;
     after that each step appends its one position. The pool gets every position as well and stays
-    the record: a row whose lane went to another re-seats from it. Lanes grow (in number and in
-    length) to the largest step seen; memory is rows x longest context x `pool.slot_bytes`.
+    the record: a row whose lane went to another re-seats from it.
+
+    The lanes are reserved once, `rows` lanes of `capacity` positions, and do not move: grown
+    on demand, every lane was zeroed and copied while the step waited (64 rows of the 2M model,
+    2 cores: 140-210 ms, in the first step of a burst of new streams, which ran the streams
+    already playing dry). The reservation is `torch.empty`: on a CPU its pages take memory only
+    once written, and a lane is zeroed only as far as a step reads it (`clean`), so memory is
+    what the rows' contexts reach, `nbytes`. A step past the reservation still grows it.
     """
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, rows: int = 0, capacity: int = 0):
         self.pool = pool
         layers, heads, _, dim = pool.keys.shape
-        shape = (layers, 0, heads, 0, dim)
-        self.keys = pool.keys.new_zeros(shape)
-        self.values = pool.values.new_zeros(shape)
-        self.owners: list[object | None] = []  # whose context each lane holds
-        self.lengths: list[int] = []  # positions the lane holds once its current step is done
+        shape = (layers, rows, heads, _rounded(capacity), dim)
+        self.keys = pool.keys.new_empty(shape)
+        self.values = pool.values.new_empty(shape)
+        self.owners: list[object | None] = [None] * rows  # whose context each lane holds
+        self.lengths: list[int] = [0] * rows  # positions the lane holds once its step is done
+        self.clean: list[int] = [0] * rows  # positions of the lane written or zeroed
 
     @property
     def capacity(self) -> int:
@@ -105,8 +115,10 @@ class KVLanes:
 
     @property
     def nbytes(self) -> int:
-        """Memory the lanes hold (they grow to the largest step seen, and stay)."""
-        return self.keys.nbytes + self.values.nbytes
+        """Memory the lanes' written positions take (the rest of the reservation takes none
+        on a CPU until a step reads that far)."""
+        layers, _, heads, _, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size() * sum(self.clean)
 
     def seat(
         self, histories: list[torch.Tensor], owners: list[object | None], length: int
@@ -140,6 +152,7 @@ class KVLanes:
             elif n:
                 self.keys[:, lane, :, :n] = self.pool.keys.index_select(2, histories[row])
                 self.values[:, lane, :, :n] = self.pool.values.index_select(2, histories[row])
+            self.clean[lane] = max(self.clean[lane], n)
         seated = {id(owner) for owner in owners if owner is not None}
         self.owners = [None if id(owner) in seated else owner for owner in self.owners]
         for row, lane in enumerate(lane_of):
@@ -147,7 +160,19 @@ class KVLanes:
             # Counted as if the step succeeds: after a failed one the lengths disagree with the
             # retry's history, so the retry re-seats from the pool.
             self.lengths[lane] = len(histories[row]) + 1
+        self._zero_up_to(rows, length)
         return sorted(range(rows), key=lane_of.__getitem__)
+
+    def _zero_up_to(self, rows: int, length: int) -> None:
+        """Lanes 0 .. rows - 1 hold finite values up to `length`: a step reads that far in
+        every lane and masks what is not the row's own, but a mask cannot hide a NaN of memory
+        never written. Zeroed in runs of `_rounded` positions, once per lane and run."""
+        for lane in range(rows):
+            if self.clean[lane] < length:
+                end = min(_rounded(length), self.capacity)
+                self.keys[:, lane, :, self.clean[lane] : end] = 0
+                self.values[:, lane, :, self.clean[lane] : end] = 0
+                self.clean[lane] = end
 
     def store(
         self,
@@ -166,18 +191,26 @@ class KVLanes:
         return self.keys[layer, :rows, :, :length], self.values[layer, :rows, :, :length]
 
     def _grow(self, rows: int, length: int) -> None:
+        """Past the reservation: more lanes, or twice the positions (a copy of every lane)."""
         lanes, capacity = self.keys.shape[1], self.capacity
         if rows <= lanes and length <= capacity:
             return
         layers, _, heads, _, dim = self.keys.shape
-        # Lengths in steps of 64 positions: a growing context reallocates now and then only.
-        shape = (layers, max(rows, lanes), heads, max(capacity, -(-length // 64) * 64), dim)
+        grown_capacity = capacity if length <= capacity else max(_rounded(length), 2 * capacity)
+        shape = (layers, max(rows, lanes), heads, grown_capacity, dim)
         for name in ("keys", "values"):
-            grown = self.keys.new_zeros(shape)
+            grown = self.keys.new_empty(shape)
             grown[:, :lanes, :, :capacity] = getattr(self, name)
             setattr(self, name, grown)
-        self.owners += [None] * (shape[1] - lanes)
-        self.lengths += [0] * (shape[1] - lanes)
+        added = shape[1] - lanes
+        self.owners += [None] * added
+        self.lengths += [0] * added
+        self.clean += [0] * added
+
+
+def _rounded(length: int) -> int:
+    """Positions in runs of 64: lanes are zeroed, and grow, a run at a time."""
+    return -(-length // LANE_RUN) * LANE_RUN
 
 
 @dataclass
