@@ -111,8 +111,9 @@ async def run_worker(spec: dict) -> list[dict]:
         engine_options["dtype"] = "float32"
     if spec.get("max_active"):
         engine_options["max_active"] = spec["max_active"]
-    if spec.get("max_decode_row_frames"):
-        engine_options["max_decode_row_frames"] = spec["max_decode_row_frames"]
+    for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun"):
+        if spec.get(name):
+            engine_options[name] = spec[name]
     if base != "batched-paced":
         # Generation as fast as the machine goes, as these modes have always measured: pacing
         # (the engine's default) would hold a fast reader's stream to real time.
@@ -263,6 +264,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="EngineConfig.max_decode_row_frames of the in-process engine modes (default: the"
         " engine's, 64); a large value lets every decode call take all that waits",
     )
+    parser.add_argument(
+        "--max-prefill-rows-near-underrun",
+        type=int,
+        default=None,
+        help="EngineConfig.max_prefill_rows_near_underrun of the in-process engine modes (default:"
+        " the engine's, 16); --max-active's value lets a burst of new streams in one pass",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -311,6 +319,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "barge_in": args.barge_in,
         "max_active": args.max_active,
         "max_decode_row_frames": args.max_decode_row_frames,
+        "max_prefill_rows_near_underrun": args.max_prefill_rows_near_underrun,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))

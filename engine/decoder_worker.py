@@ -49,12 +49,11 @@ from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
+from intone.engine.pacing import URGENT_S
 from intone.engine.sequence import Request, now
 
 logger = logging.getLogger(__name__)
 
-# A stream with less audio than this buffered ahead of its listener is decoded first.
-URGENT_S = 0.5
 # While holding for a first latent, how often the worker looks again at the streams' buffers.
 HOLD_RECHECK_S = 0.02
 

@@ -147,6 +147,12 @@ class EngineConfig:
     # Rows one tenant (`Engine.stream(tenant=...)`) may hold; the others are served first.
     max_rows_per_tenant: int | None = None
     max_prefill_tokens: int = 2048  # positions per packed prefill pass
+    # New streams per prefill pass while a stream that plays is near an underrun (under
+    # `pacing.URGENT_S` ahead of its listener): a burst of them is prefilled in parts, with the
+    # playing streams' AR steps and decode calls between the parts. 64 streams starting at once
+    # (2M model, 2 cores): one 63-row pass and then its first frames, 150-250 ms, while the first
+    # stream had 160 ms of audio to play; with 16, 0 of 128 underran in 4 runs (1-5 before).
+    max_prefill_rows_near_underrun: int = 16
     max_text_chars: int = 20_000  # per request
     max_frames: int | None = None  # per clause, on top of the model's own estimate
     flow_steps: int = 1
@@ -177,8 +183,18 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
         resolve_precision(self.dtype, self.device)
-        positive = ("page_size", "max_active", "max_queued", "max_prefill_tokens", "flow_steps")
-        for name in positive + ("max_decode_frames", "max_decode_row_frames", "max_streams"):
+        positive = (
+            "page_size",
+            "max_active",
+            "max_queued",
+            "max_streams",
+            "max_prefill_tokens",
+            "max_prefill_rows_near_underrun",
+            "flow_steps",
+            "max_decode_frames",
+            "max_decode_row_frames",
+        )
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
         for name in ("max_rows_per_tenant", "decoder_trace_after"):
@@ -252,6 +268,7 @@ class Engine:
             config.max_active,
             config.max_prefill_tokens,
             config.max_rows_per_tenant,
+            config.max_prefill_rows_near_underrun,
         )
         # Guards the scheduler, the block manager, `_open` and the lifecycle state.
         self._lock = threading.Condition()

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import threading
 
+# A stream with less audio than this ahead of its listener is near an underrun: the decoder
+# decodes it first, and while one that plays is, a prefill pass takes fewer new streams
+# (`EngineConfig.max_prefill_rows_near_underrun`).
+URGENT_S = 0.5
+
 
 class Playback:
     """Where a stream's listener is. Written by the decoder thread (deliveries) and the caller

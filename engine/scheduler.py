@@ -14,7 +14,10 @@ Each iteration:
    that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
    its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill (and then,
-   in the engine, that iteration's AR step: a clause's second latent comes a step sooner);
+   in the engine, that iteration's AR step: a clause's second latent comes a step sooner), up to
+   `max_prefill_tokens` positions; while a stream that plays is near an underrun, up to
+   `max_prefill_rows_near_underrun` clauses, so that a burst of new streams is prefilled in
+   parts with the playing streams' AR steps between them;
 3. AR steps come in bursts: once a prefill pass runs or some generating row is due for a step
    (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
    none may; then no step runs until a row is due again. An AR step's cost is mostly per step,
@@ -39,6 +42,7 @@ from enum import Enum
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
+from intone.engine.pacing import URGENT_S
 from intone.engine.sequence import Phase, Request
 
 logger = logging.getLogger(__name__)
@@ -77,12 +81,14 @@ class Scheduler:
         max_active: int,
         max_prefill_tokens: int,
         max_rows_per_tenant: int | None = None,
+        max_prefill_rows_near_underrun: int | None = None,
     ):
         self.runner = runner
         self.blocks = blocks
         self.max_active = max_active
         self.max_prefill_tokens = max_prefill_tokens
         self.max_rows_per_tenant = max_rows_per_tenant
+        self.max_prefill_rows_near_underrun = max_prefill_rows_near_underrun or max_active
         self.idle: dict[str, Request] = {}  # open, no text pending, no row
         self.waiting: deque[Request] = deque()  # text pending, no row
         self.running: list[Request] = []  # holding a row
@@ -263,10 +269,16 @@ class Scheduler:
                 self.running.append(request)
                 rows[request.tenant] = rows.get(request.tenant, 0) + 1
         prefill, tokens = [], 0
+        most = self.max_active
+        if any(r.phase is Phase.GENERATING and lead(r) < URGENT_S for r in self.running):
+            most = self.max_prefill_rows_near_underrun
         for request in self.running:
             if request.phase is Phase.PREFILL:
                 assert request.prompt is not None
-                if prefill and tokens + request.prompt.shape[0] > self.max_prefill_tokens:
+                if prefill and (
+                    tokens + request.prompt.shape[0] > self.max_prefill_tokens
+                    or len(prefill) == most
+                ):
                     break
                 prefill.append(request)
                 tokens += request.prompt.shape[0]

@@ -646,3 +646,35 @@ async def test_a_row_that_may_step_waits_for_one_that_must(make_engine) -> None:
     await asyncio.wait_for(drain(new), TIMEOUT)
     assert paced.request.frames_generated > held, "the row did not ride along with a due one"
     paced.cancel()
+
+
+@pytest.mark.parametrize("parts_of", [2, 16])
+async def test_a_burst_of_new_streams_is_prefilled_in_parts_beside_a_stream_near_an_underrun(
+    make_engine, reference: Reference, parts_of: int
+) -> None:
+    """While a stream that plays is near an underrun (here held 0.3 s ahead of its listener, under
+    URGENT_S), a burst of new streams is prefilled at most `max_prefill_rows_near_underrun` at a
+    time, so the playing stream's next steps come between the parts. The burst's audio is the
+    single path's."""
+    engine = make_engine(lead_s=0.3, max_prefill_rows_near_underrun=parts_of)
+    passes: list[int] = []
+    prefill = engine.runner.prefill
+
+    def slow_prefill(requests, noise):
+        passes.append(len(requests))
+        time.sleep(0.1)  # the burst gathers while a pass runs
+        return prefill(requests, noise)
+
+    engine.runner.prefill = slow_prefill
+    held = engine.stream(None, options(20, max_frames=80))
+    held.report_playback(0.0)
+    held.push_text(TEXTS[2])
+    await asyncio.wait_for(settled_frames(held), TIMEOUT)
+    passes.clear()
+    opts = [options(21 + i, max_frames=4) for i in range(6)]
+    outcomes = await asyncio.gather(*(run_request(engine, TEXTS[0], "default", o) for o in opts))
+    for outcome, o in zip(outcomes, opts, strict=True):
+        check_outcome(outcome, reference, TEXTS[0], "default", o, "a stream of the burst")
+    assert sum(passes) == 6, passes
+    assert max(passes) == 2 if parts_of == 2 else max(passes) > 2, passes
+    held.cancel()
