@@ -28,6 +28,7 @@ from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.gemm_decoder import GemmDecoder, make_decoder
 from intone.engine.models.pocket.kv_cache import (
+    LANE_RUN,
     KVLanes,
     SequenceStep,
     SlotAttention,
@@ -71,8 +72,13 @@ class GenerateInputs:
 
 
 # Positions reserved per AR lane: a 30 s voice prompt (375), a clause of 50 tokens and its
-# frames fit with room to spare; a longer context grows the lanes (KVLanes).
+# frames fit with room to spare; a longer context grows the lanes (KVLanes). The reservation
+# holds at most LANE_POOL_MULTIPLE times the KV pool's positions: lanes copy contexts the pool
+# holds (the voice once per lane), and a reservation past the machine's memory is refused even
+# where pages are mapped lazily (and on a GPU it is all allocated): 512 full-size rows x 1,024
+# positions would be 26 GB.
 LANE_POSITIONS = 1024
+LANE_POOL_MULTIPLE = 4
 
 
 class ModelRunner:
@@ -101,7 +107,8 @@ class ModelRunner:
         )
         # Every row a step can have (bucket padding included), reserved now: see KVLanes.
         rows = max([decoder_slots, *(self.batch_buckets or [])])
-        self.lanes = KVLanes(self.pool, rows, LANE_POSITIONS)
+        fits = LANE_POOL_MULTIPLE * self.pool.num_slots // rows // LANE_RUN * LANE_RUN
+        self.lanes = KVLanes(self.pool, rows, max(LANE_RUN, min(LANE_POSITIONS, fits)))
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(

@@ -553,3 +553,16 @@ def test_reserved_lanes_stay_put_and_hide_memory_never_written() -> None:
     assert lanes.clean == [128] * 4 and lanes.nbytes == 2 * 2 * layers * dim * 4 * 512
     step([12, 150])  # past the reservation: it grows, once, to twice the positions
     assert lanes.capacity == 256 and lanes.keys.shape[1] == 4
+
+
+@pytest.mark.parametrize(("rows", "capacity"), [(2, 1024), (64, 64)])
+def test_the_lanes_reservation_is_bounded_by_the_pool(
+    tiny_model: LoadedModel, rows: int, capacity: int
+) -> None:
+    """Every row is reserved LANE_POSITIONS positions, unless that passes LANE_POOL_MULTIPLE
+    times the pool's positions (a reservation past the machine's memory is refused): then
+    fewer, in runs of 64."""
+    blocks = BlockManager(160, 8)  # 1,288 pool positions with the scratch page
+    runner = ModelRunner(tiny_model.model, blocks, rows, 1, torch.device("cpu"))
+    assert runner.lanes.keys.shape[1] == rows and runner.lanes.capacity == capacity
+    runner.close()
