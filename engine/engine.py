@@ -151,7 +151,7 @@ class EngineConfig:
     # `pacing.URGENT_S` ahead of its listener): a burst of them is prefilled in parts, with the
     # playing streams' AR steps and decode calls between the parts. 64 streams starting at once
     # (2M model, 2 cores): one 63-row pass and then its first frames, 150-250 ms, while the first
-    # stream had 160 ms of audio to play. With 16, c=64 held in 26 of 29 runs, against 8 of 13
+    # stream had 160 ms of audio to play. With 16, c=64 held in 26 of 29 runs, against 4 of 9
     # in one pass (docs/benchmarks.md).
     max_prefill_rows_near_underrun: int = 16
     max_text_chars: int = 20_000  # per request
