@@ -269,19 +269,19 @@ class Scheduler:
                 self.running.append(request)
                 rows[request.tenant] = rows.get(request.tenant, 0) + 1
         prefill, tokens = [], 0
+        prompts = [r for r in self.running if r.phase is Phase.PREFILL]
+        playing = (r for r in self.running if r.phase is Phase.GENERATING)
         most = self.max_active
-        if any(r.phase is Phase.GENERATING and lead(r) < URGENT_S for r in self.running):
+        if prompts and any(lead(r) < URGENT_S for r in playing):
             most = self.max_prefill_rows_near_underrun
-        for request in self.running:
-            if request.phase is Phase.PREFILL:
-                assert request.prompt is not None
-                if prefill and (
-                    tokens + request.prompt.shape[0] > self.max_prefill_tokens
-                    or len(prefill) == most
-                ):
-                    break
-                prefill.append(request)
-                tokens += request.prompt.shape[0]
+        for request in prompts:
+            assert request.prompt is not None
+            if prefill and (
+                tokens + request.prompt.shape[0] > self.max_prefill_tokens or len(prefill) == most
+            ):
+                break
+            prefill.append(request)
+            tokens += request.prompt.shape[0]
         needs = [(r, need(r)) for r in self.running if r.phase is Phase.GENERATING]
         generate = []
         if prefill or self.bursting or any(n is Need.NOW for _, n in needs):
