@@ -268,8 +268,8 @@ class Engine:
             self.blocks,
             config.max_active,
             config.max_prefill_tokens,
-            config.max_rows_per_tenant,
             config.max_prefill_rows_near_underrun,
+            config.max_rows_per_tenant,
         )
         # Guards the scheduler, the block manager, `_open` and the lifecycle state.
         self._lock = threading.Condition()

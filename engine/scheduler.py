@@ -80,15 +80,15 @@ class Scheduler:
         blocks: BlockManager,
         max_active: int,
         max_prefill_tokens: int,
+        max_prefill_rows_near_underrun: int,
         max_rows_per_tenant: int | None = None,
-        max_prefill_rows_near_underrun: int | None = None,
     ):
         self.runner = runner
         self.blocks = blocks
         self.max_active = max_active
         self.max_prefill_tokens = max_prefill_tokens
         self.max_rows_per_tenant = max_rows_per_tenant
-        self.max_prefill_rows_near_underrun = max_prefill_rows_near_underrun or max_active
+        self.max_prefill_rows_near_underrun = max_prefill_rows_near_underrun
         self.idle: dict[str, Request] = {}  # open, no text pending, no row
         self.waiting: deque[Request] = deque()  # text pending, no row
         self.running: list[Request] = []  # holding a row

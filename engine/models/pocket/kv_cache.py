@@ -117,8 +117,7 @@ class KVLanes:
     def nbytes(self) -> int:
         """Memory the lanes' written positions take (the rest of the reservation takes none
         on a CPU until a step reads that far)."""
-        layers, _, heads, _, dim = self.keys.shape
-        return 2 * layers * heads * dim * self.keys.element_size() * sum(self.clean)
+        return self.pool.slot_bytes * sum(self.clean)
 
     def seat(
         self, histories: list[torch.Tensor], owners: list[object | None], length: int
