@@ -15,16 +15,19 @@ decodes rows with the same number of latents, earliest deadline first: the strea
 audio buffered ahead of its listener (`Playback.buffered`) sets the call's frames (its leading
 latents, up to `max_frames_per_call`), and the streams with at least that many latents waiting ride
 along, least buffered first. When that stream is near an underrun (less than `URGENT_S` buffered),
-only streams near one ride along, so its call stays short; when every stream is (past capacity),
-calls are as large as they can be. With playback pacing on (`paced`), when no stream is near an
-underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one full-batch frame's
-time), and while new streams' first latents and frames are being computed (`first_frames_due`, set
-by the AR stage around an iteration that prefills one) the worker starts no such call at all: it
-waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a core free instead of
-sharing it with a long call of audio nobody needs yet. So a stream that has only its last latents
-left is never kept behind streams with bigger backlogs (with groups of equal backlogs chosen by
-size, a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and no row is
-held back to the smallest backlog of all.
+only streams near one ride along, so its call stays short. Rows take fewer frames (one at least)
+where the call would be expected to end after that stream runs dry (but no shorter than
+`MIN_CALL_S`), or to take longer than `MAX_CALL_S`, by the worker's running measure of its seconds
+per row-frame (`row_frame_s`): the stream's audio comes only at the end of the call, and a stream
+that starts meanwhile has little to play. With playback pacing on (`paced`), when no stream is near
+an underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one full-batch
+frame's time), and while new streams' first latents and frames are being computed
+(`first_frames_due`, set by the AR stage around an iteration that prefills one) the worker starts
+no such call at all: it waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a
+core free instead of sharing it with a long call of audio nobody needs yet. So a stream that has
+only its last latents left is never kept behind streams with bigger backlogs (with groups of equal
+backlogs chosen by size, a stream's last frames waited 1-2 s behind the others' at full size, 8
+streams), and no row is held back to the smallest backlog of all.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -56,6 +59,18 @@ logger = logging.getLogger(__name__)
 
 # While holding for a first latent, how often the worker looks again at the streams' buffers.
 HOLD_RECHECK_S = 0.02
+# The longest a decode call may be expected to take (from the worker's measured seconds per
+# row-frame): a call cannot be interrupted, and a stream the AR thread hands over after its first
+# `FIRST_FRAMES_ON_AR` frames has those 160 ms to play while the call in flight ends. At full size
+# on 2 cores, calls of 16 rows x 4 frames (300 ms) made streams that started during one run dry
+# at their third chunk; per row-frame a call of 16 costs about the same as one of 64.
+MAX_CALL_S = 0.16
+# Nor does it shrink below this long: a small model's calls cost most per call, not per
+# row-frame (the 2M decoder: 2.8 ms for one row-frame, 0.6 from 64 on), and cut to the
+# least-buffered stream's few milliseconds they gave 2M c=64 7% less audio per second.
+MIN_CALL_S = 0.05
+# Weight of the newest call in the worker's running estimate of seconds per row-frame.
+COST_WEIGHT = 0.2
 
 
 @dataclass
@@ -122,6 +137,8 @@ class DecoderWorker:
         self._stopping = False
         self._stop = False
         self._decoding = False  # a call of the worker's own is running
+        # Wall seconds per decoded row-frame of the worker's recent calls; None before any.
+        self.row_frame_s: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
@@ -207,7 +224,8 @@ class DecoderWorker:
         (its leading latents), and the streams with at least that many latents waiting ride
         along, least buffered first: if it is near an underrun, only those near one too, so its
         call stays short. Rows take fewer frames where the call would pass
-        `max_row_frames_per_call`: no call keeps the others waiting long (a call cannot be
+        `max_row_frames_per_call`, or be expected to end after that stream runs dry or to take
+        longer than `MAX_CALL_S`: no call keeps the others waiting long (a call cannot be
         interrupted for a stream that starts meanwhile). Paced and with nobody near one: calls
         of at most `max_batch` row-frames, and none while a first latent is due."""
         t = now()
@@ -224,6 +242,11 @@ class DecoderWorker:
             if self.first_frames_due:
                 return []
             row_frames = min(row_frames, self.max_batch)
+        if self.row_frame_s is not None:
+            # Expected to end before the least-buffered stream runs dry (its audio comes at the
+            # end of the call, whatever rides along), within `MIN_CALL_S` to `MAX_CALL_S`.
+            budget = max(min(head, MAX_CALL_S), MIN_CALL_S)
+            row_frames = min(row_frames, int(budget / self.row_frame_s))
         frames = max(1, min(frames, row_frames // min(len(waiting), self.max_batch)))
         # A stream near an underrun takes along only others near one: its call stays short.
         rows = [
@@ -330,8 +353,13 @@ class DecoderWorker:
                     request.decoder_saved = None
         slots = [row[0].request.decoder_slot for row in rows]
         started = time.perf_counter()
-        audio = self.runner.decode(slots, stack_latents(rows)).cpu()
-        self.metrics.step("decode", len(rows), time.perf_counter() - started)
+        latents = stack_latents(rows)
+        audio = self.runner.decode(slots, latents).cpu()
+        elapsed = time.perf_counter() - started
+        self.metrics.step("decode", len(rows), elapsed)
+        cost = elapsed / (latents.shape[0] * latents.shape[1])
+        previous = self.row_frame_s
+        self.row_frame_s = cost if previous is None else previous + COST_WEIGHT * (cost - previous)
         return audio
 
     def _decode_outside_pool(self, rows: list[list[LatentItem]]) -> torch.Tensor:

@@ -444,6 +444,29 @@ async def test_a_decode_call_takes_at_most_its_row_frames(make_engine) -> None:
         stream.cancel()
 
 
+@pytest.mark.parametrize(("head_s", "shape"), [(0.05, (4, 1)), (0.1, (4, 3)), (2.0, (4, 4))])
+async def test_a_decode_call_ends_before_the_least_buffered_stream_runs_dry(
+    make_engine, head_s: float, shape: tuple[int, int]
+) -> None:
+    """Rows take fewer frames where the call would last longer than the least-buffered stream's
+    audio, or longer than `MAX_CALL_S` (0.16 s), by the worker's measured seconds per
+    row-frame: at 8 ms, 0.05 s buffered leaves one frame per row, 0.1 s three; seconds
+    buffered leave four (0.16 s). Its audio comes only at the end of the call."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine)
+    worker.row_frame_s = 0.008  # as if its calls had measured that
+    streams = [engine.stream(None, options(70 + i)) for i in range(4)]
+    t = time.perf_counter()
+    for i, stream in enumerate(streams):
+        stream.request.frames_delivered = 1
+        stream.request.playback.deliver(head_s + 0.02 * i, t)
+    await decode_backlogs(worker, calls, [(s.request, 4) for s in streams], calls=1)
+    assert (len(calls[0][0]), calls[0][1]) == shape
+    assert worker.row_frame_s != 0.008  # measured from its own calls since
+    for stream in streams:
+        stream.cancel()
+
+
 async def test_a_tenant_holds_at_most_its_rows(make_engine, reference: Reference) -> None:
     engine = make_engine(max_active=4, max_rows_per_tenant=2, lead_s=None)
     floor = voice_pages(engine)
