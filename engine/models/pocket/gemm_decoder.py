@@ -38,15 +38,20 @@ from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
 logger = logging.getLogger(__name__)
 
 
-def _elu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """ELU(x) = max(x, exp(min(x, 0)) - 1), written into `out`.
+_LOG2_E = 1.4426950408889634
 
-    aten's ELU kernel spends its time in a vectorised expm1; these four passes (exp, not expm1)
-    take ~55% of its time on one AVX2 core (1.4 vs 2.5 ns per element, decoder-sized tensors).
-    exp(x) - 1 is within 1e-7 of expm1(x) where x <= 0, and e^x - 1 >= x there, so the maximum
-    picks the right branch on both sides."""
+
+def _elu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """ELU(x) = max(x, 2^(min(x, 0) log2 e) - 1), written into `out`.
+
+    aten's ELU kernel spends its time in a vectorised expm1, and its `exp` is slow too:
+    on one AVX-512 core `exp` takes 0.80 ns per element, `exp2` 0.29 and each of the other
+    passes here ~0.05 (1.33 for aten's ELU), and the decoder's ELUs see ~8.5 million elements
+    per 16-row frame. 2^y - 1 is within 1e-7 of expm1 where y <= 0, and e^x - 1 >= x there, so
+    the maximum picks the right branch on both sides."""
     torch.clamp(x, max=0.0, out=out)
-    out.exp_()
+    out.mul_(_LOG2_E)
+    out.exp2_()
     out.sub_(1.0)
     return torch.maximum(out, x, out=out)
 
