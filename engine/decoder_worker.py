@@ -242,7 +242,7 @@ class DecoderWorker:
             if self.first_frames_due:
                 return []
             row_frames = min(row_frames, self.max_batch)
-        if self.row_frame_s is not None:
+        if self.row_frame_s:  # None before the first call
             # Expected to end before the least-buffered stream runs dry (its audio comes at the
             # end of the call, whatever rides along), within `MIN_CALL_S` to `MAX_CALL_S`.
             budget = max(min(head, MAX_CALL_S), MIN_CALL_S)
