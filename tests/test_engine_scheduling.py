@@ -485,6 +485,34 @@ async def test_a_decode_call_ends_before_the_least_buffered_stream_runs_dry(
         stream.cancel()
 
 
+@pytest.mark.usefixtures("fixed_call_cost")
+@pytest.mark.parametrize("starting", [True, False])
+async def test_a_decode_call_ends_before_a_starting_stream_runs_dry(
+    make_engine, starting: bool
+) -> None:
+    """A stream whose first frame the AR thread decoded (`decode_first_frames`: the decoder was
+    busy) has no latent waiting yet, but its next one may come while a call runs, and that
+    frame's audio has to come before its first runs out: the call is sized to end by then too.
+    At 8 ms per row-frame, its 80 ms leave 4 rows 2 frames each instead of 4."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine)
+    worker.row_frame_s = 0.008
+    streams = [engine.stream(None, options(80 + i)) for i in range(5)]
+    *ahead, new = [stream.request for stream in streams]
+    t = time.perf_counter()
+    for request in ahead:
+        request.frames_delivered = 1
+        request.playback.deliver(2.0, t)
+    if starting:
+        latent = torch.zeros(worker.runner.flow_lm.latent_dim)
+        worker.decode_first_frames([LatentItem(new, latent, 0)])
+        assert new.frames_delivered == 1
+    await decode_backlogs(worker, calls, [(r, 4) for r in ahead], calls=1)
+    assert (len(calls[0][0]), calls[0][1]) == ((4, 2) if starting else (4, 4))
+    for stream in streams:
+        stream.cancel()
+
+
 async def test_a_tenant_holds_at_most_its_rows(make_engine, reference: Reference) -> None:
     engine = make_engine(max_active=4, max_rows_per_tenant=2, lead_s=None)
     floor = voice_pages(engine)
