@@ -493,7 +493,8 @@ async def test_a_decode_call_ends_before_a_starting_stream_runs_dry(
     """A stream whose first frame the AR thread decoded (`decode_first_frames`: the decoder was
     busy) has no latent waiting yet, but its next one may come while a call runs, and that
     frame's audio has to come before its first runs out: the call is sized to end by then too.
-    At 8 ms per row-frame, its 80 ms leave 4 rows 2 frames each instead of 4."""
+    At 8 ms per row-frame, its 80 ms leave 4 rows 2 frames each instead of 4 (1 if the worker
+    starts its call 30 ms later: its audio only shrinks)."""
     engine = make_engine()
     worker, calls = recording_worker(engine)
     worker.row_frame_s = 0.008
@@ -508,7 +509,8 @@ async def test_a_decode_call_ends_before_a_starting_stream_runs_dry(
         worker.decode_first_frames([LatentItem(new, latent, 0)])
         assert new.frames_delivered == 1
     await decode_backlogs(worker, calls, [(r, 4) for r in ahead], calls=1)
-    assert (len(calls[0][0]), calls[0][1]) == ((4, 2) if starting else (4, 4))
+    rows, frames = len(calls[0][0]), calls[0][1]
+    assert rows == 4 and (frames in (1, 2) if starting else frames == 4), calls[0]
     for stream in streams:
         stream.cancel()
 
