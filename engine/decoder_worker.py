@@ -234,9 +234,10 @@ class DecoderWorker:
         (its leading latents), and the streams with at least that many latents waiting ride
         along, least buffered first: if it is near an underrun, only those near one too, so its
         call stays short. Rows take fewer frames where the call would pass
-        `max_row_frames_per_call`, or be expected to end after that stream runs dry or to take
-        longer than `MAX_CALL_S`: no call keeps the others waiting long (a call cannot be
-        interrupted for a stream that starts meanwhile). Paced and with nobody near one: calls
+        `max_row_frames_per_call`, or be expected to end after that stream (or a starting one,
+        whose next latent may come meanwhile) runs dry or to take longer than `MAX_CALL_S`: no
+        call keeps the others waiting long (a call cannot be interrupted for a stream that
+        starts meanwhile). Paced and with nobody near one: calls
         of at most `max_batch` row-frames, and none while a first latent is due."""
         t = now()
         waiting = []  # (buffered, leading latents, items), least buffered first
