@@ -59,6 +59,7 @@ from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
+from intone.engine.models.pocket.bf16 import bf16_linears
 from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
@@ -116,7 +117,8 @@ class EngineConfig:
     device: str = "cpu"
     # Precision policy (engine/precision.py): "auto" is the fastest that holds the fast path's
     # tolerance against float32 on this device; "float32" runs everything in float32; "bfloat16"
-    # the FlowLM in bf16 (and on the CPU the Mimi decoder transformer in int8).
+    # the FlowLM transformer and flow head in bf16 (and on the CPU the Mimi decoder transformer in
+    # int8).
     dtype: str = "auto"
     # Intra-op threads for torch (process-wide). None: the cores divided among the stages busy at
     # the moment (engine/thread_budget.py): half each while the AR and decoder stages both run
@@ -233,15 +235,26 @@ class Engine:
             torch.set_num_threads(threads)
         self.model = loaded.model
         precision = resolve_precision(config.dtype, config.device)
-        # The loaded model may be shared with float32 users: change a copy.
+        # The loaded model may be shared with float32 users: change a copy. Parts that are
+        # converted into new modules anyway are shared with it, not copied first.
+        flow_lm = loaded.model.flow_lm
+        converted = [
+            part
+            for part, convert in (
+                (flow_lm.transformer, precision.flow_lm_int8),
+                (flow_lm.flow_net, precision.flow_head_bf16),
+            )
+            if convert
+        ]
+        if converted or precision.flow_lm != torch.float32:
+            self.model = copy.deepcopy(loaded.model, {id(part): part for part in converted})
         if precision.flow_lm_int8:
-            # int8_linears makes its own copy of the transformer: the model's copy shares it.
-            transformer = loaded.model.flow_lm.transformer
-            self.model = copy.deepcopy(loaded.model, {id(transformer): transformer})
+            transformer = flow_lm.transformer
             self.model.flow_lm.transformer = int8_linears(transformer) or transformer
         elif precision.flow_lm != torch.float32:
-            self.model = copy.deepcopy(loaded.model)
             self.model.flow_lm.transformer.to(precision.flow_lm)
+        if precision.flow_head_bf16:
+            self.model.flow_lm.flow_net = bf16_linears(flow_lm.flow_net)
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes

@@ -2,16 +2,18 @@
 
 `EngineConfig.dtype` names a policy:
 - "float32": everything in float32 (the equivalence tolerance against the reference, 1e-4).
-- "bfloat16": the FlowLM transformer and its KV cache in bf16, and on the CPU the Mimi decoder
-  transformer's linear layers in int8.
+- "bfloat16": the FlowLM transformer and its KV cache in bf16, the flow head's linear layers in
+  bf16 (float32 activations), and on the CPU the Mimi decoder transformer's linear layers in int8.
 - "auto" (default): the fastest mix that holds the fast path's tolerance (docs/benchmarks.md) on
   this device. On a CPU: the linear layers of the FlowLM transformer and of the Mimi decoder
   transformer in int8 (fbgemm, `models/pocket/int8.py`: 4x a float32 GEMM at decode-step row
-  counts on AVX2; the reference's `quantize=True` does the same to the FlowLM), activations,
-  attention, the KV cache, the flow head and the decoder's convolutions in float32. bf16 is not
-  used there: without AVX-512 BF16 or AMX it is emulated (~8-10x slower than float32, measured
-  on an AVX2 EPYC), and where it is native (AMX) int8 linears are still faster at decode-step row
-  counts (docs/benchmarks.md).
+  counts on AVX2; the reference's `quantize=True` does the same to the FlowLM); where the CPU
+  multiplies bf16 natively (AVX-512 BF16 or AMX), the flow head's linear layers in bf16
+  (`models/pocket/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);
+  activations, attention, the KV cache and the decoder's convolutions in float32. bf16 is not
+  used for the transformers' linears: where it is emulated (AVX2) it is ~8-10x slower than
+  float32, and where it is native int8 linears are still faster at decode-step row counts
+  (docs/benchmarks.md).
   Elsewhere: float32, as before.
 """
 
@@ -29,6 +31,13 @@ class Precision:
     flow_lm: torch.dtype  # the FlowLM transformer's activations and the KV pool
     decoder_int8: bool  # the Mimi decoder transformer's linear layers
     flow_lm_int8: bool = False  # the FlowLM transformer's linear layers
+    flow_head_bf16: bool = False  # the flow head's linear layers (float32 activations)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX): elsewhere torch
+    emulates it, far slower than float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
@@ -38,7 +47,9 @@ def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
     if dtype == "float32":
         return Precision(torch.float32, decoder_int8=False)
     if dtype == "bfloat16":
-        return Precision(torch.bfloat16, decoder_int8=cpu)
+        return Precision(torch.bfloat16, decoder_int8=cpu, flow_head_bf16=True)
     if not cpu:
         return Precision(torch.float32, decoder_int8=False)
-    return Precision(torch.float32, decoder_int8=True, flow_lm_int8=True)
+    return Precision(
+        torch.float32, decoder_int8=True, flow_lm_int8=True, flow_head_bf16=native_bf16()
+    )

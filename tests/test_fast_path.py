@@ -30,8 +30,9 @@ import torch
 from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.models.pocket.bf16 import Bf16Linear
 from intone.engine.models.pocket.int8 import Int8Linear
-from intone.engine.precision import resolve_precision
+from intone.engine.precision import native_bf16, resolve_precision
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
 
@@ -88,6 +89,11 @@ async def compare(
         int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
         assert int8 == precision.flow_lm_int8
         assert engine.runner.decoder.int8 == precision.decoder_int8
+        flow_head = engine.model.flow_lm.flow_net
+        bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
+        assert bf16 == precision.flow_head_bf16
+        if bf16:  # every linear layer of the head, none left in float32
+            assert not any(isinstance(m, torch.nn.Linear) for m in flow_head.modules())
         ours = await engine.synthesize(TEXT, options=dataclasses.replace(options))
     finally:
         engine.close()
@@ -181,6 +187,10 @@ def test_float32_is_one_option_away():
     assert exact.flow_lm == torch.float32 and not exact.decoder_int8 and not exact.flow_lm_int8
     assert resolve_precision("auto", "cpu").flow_lm_int8  # fbgemm's int8 GEMMs are CPU-only
     assert not resolve_precision("auto", "cuda").flow_lm_int8
+    assert not exact.flow_head_bf16
+    # bf16 where the CPU multiplies it natively; emulated it is far slower than float32.
+    assert resolve_precision("auto", "cpu").flow_head_bf16 == native_bf16()
+    assert resolve_precision("bfloat16", "cpu").flow_head_bf16
     assert EngineConfig().dtype == "auto"
     with pytest.raises(ValueError):
         EngineConfig(dtype="float16").validate()
@@ -192,3 +202,30 @@ def test_log_spectral_distance_sees_a_difference():
     assert log_spectral_distance(ref, ref).max() == 0
     louder = log_spectral_distance(ref * 10 ** (1 / 20), ref)  # +1 dB everywhere
     assert np.allclose(louder, 1.0, atol=1e-3)
+
+
+def test_bf16_linear_is_a_bf16_product_in_a_float32_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(5, 64)
+    layer = Bf16Linear(linear)
+    ours = layer(x)
+    assert layer.weight.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    exact = linear(x).detach()
+    rel = float((ours - exact).norm() / exact.norm())
+    assert 0 < rel < 1e-2  # bf16's 8-bit mantissa: close, not exact
+
+
+def test_engine_converts_a_copy_of_the_flow_head(tiny_checkpoint: Path):
+    """The loaded model may serve float32 users too (the single-request path): the engine's
+    reduced-precision layers replace its own copy's, never the loaded model's."""
+    loaded = load_model(tiny_checkpoint)
+    threads = torch.get_num_threads()
+    engine = Engine(loaded, EngineConfig(dtype="bfloat16"))
+    try:
+        assert any(isinstance(m, Bf16Linear) for m in engine.model.flow_lm.flow_net.modules())
+        assert not any(isinstance(m, Bf16Linear) for m in loaded.model.modules())
+        assert loaded.model.flow_lm.transformer.dtype == torch.float32
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
