@@ -237,24 +237,24 @@ class Engine:
         precision = resolve_precision(config.dtype, config.device)
         # The loaded model may be shared with float32 users: change a copy. Parts that are
         # converted into new modules anyway are shared with it, not copied first.
-        flow_lm = loaded.model.flow_lm
+        shared = loaded.model.flow_lm
         converted = [
             part
             for part, convert in (
-                (flow_lm.transformer, precision.flow_lm_int8),
-                (flow_lm.flow_net, precision.flow_head_bf16),
+                (shared.transformer, precision.flow_lm_int8),
+                (shared.flow_net, precision.flow_head_bf16),
             )
             if convert
         ]
         if converted or precision.flow_lm != torch.float32:
             self.model = copy.deepcopy(loaded.model, {id(part): part for part in converted})
         if precision.flow_lm_int8:
-            transformer = flow_lm.transformer
+            transformer = shared.transformer
             self.model.flow_lm.transformer = int8_linears(transformer) or transformer
         elif precision.flow_lm != torch.float32:
             self.model.flow_lm.transformer.to(precision.flow_lm)
         if precision.flow_head_bf16:
-            self.model.flow_lm.flow_net = bf16_linears(flow_lm.flow_net)
+            self.model.flow_lm.flow_net = bf16_linears(shared.flow_net)
         self.model.to(self.device)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes

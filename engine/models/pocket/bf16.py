@@ -34,7 +34,6 @@ class Bf16Linear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.out_features = linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(torch.bfloat16), self.weight).to(torch.float32)
