@@ -171,6 +171,10 @@ class EngineConfig:
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
     keep_freed_memory: bool = True
+    # On a CPU, an AR step attends through a C kernel built for this machine at start
+    # (engine/models/pocket/lane_kernel.py): about half the time of torch's batched products at
+    # 16 rows. Where no C compiler works, or False, torch attends; the two agree to ~1e-6.
+    native_kernels: bool = True
     default_chain_frames: int = 4
     clause_min_tokens: int = 6
     clause_first_min_tokens: int = 4
@@ -275,6 +279,7 @@ class Engine:
             # With the thread budget, a decode batch runs one part per core no other stage holds
             # as it starts, each on one thread (intra-op threads stall on a core that is shared).
             decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
+            native_kernels=config.native_kernels,
         )
         self.scheduler = Scheduler(
             self.runner,

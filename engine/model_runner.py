@@ -35,6 +35,7 @@ from intone.engine.models.pocket.kv_cache import (
     plan_lane_step,
     plan_step,
 )
+from intone.engine.models.pocket.lane_kernel import load_lane_kernel
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.sequence import Request
@@ -94,6 +95,7 @@ class ModelRunner:
         decoder_trace_after: int | None = None,
         thread_budget: ThreadBudget | None = None,
         decode_parts: int = 1,
+        native_kernels: bool = True,
     ):
         self.model = model
         self.flow_lm = model.flow_lm
@@ -109,6 +111,9 @@ class ModelRunner:
         rows = max([decoder_slots, *(self.batch_buckets or [])])
         fits = LANE_POOL_MULTIPLE * self.pool.num_slots // rows // LANE_RUN * LANE_RUN
         self.lanes = KVLanes(self.pool, rows, max(LANE_RUN, min(LANE_POSITIONS, fits)))
+        # The C decode attention reads float32 lanes in host memory; elsewhere torch attends.
+        lanes_in_c = device.type == "cpu" and self.pool.keys.dtype == torch.float32
+        self.lane_kernel = load_lane_kernel() if native_kernels and lanes_in_c else None
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
@@ -226,7 +231,9 @@ class ModelRunner:
             noise_rows = torch.cat([noise_rows, noise_rows.new_zeros(padding, noise_rows.shape[1])])
             thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
-        order, positions, attention = plan_lane_step(self.lanes, steps, owners, key_multiple)
+        order, positions, attention = plan_lane_step(
+            self.lanes, steps, owners, key_multiple, self.lane_kernel
+        )
         order_t = torch.tensor(order).to(self.device)
         return GenerateInputs(
             previous.index_select(0, order_t),

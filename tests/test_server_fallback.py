@@ -8,6 +8,7 @@ import time
 import huggingface_hub.constants
 import pytest
 
+from intone.engine.cache_dir import cache_dir
 from intone.provider.server import model_source
 from intone.provider.server.model_source import (
     fallback_checkpoint,
@@ -63,7 +64,7 @@ def test_explicit_model_never_falls_back(tmp_path):
 
 def test_cache_dir_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("INTONE_CACHE_DIR", str(tmp_path / "a"))
-    assert model_source.cache_dir() == tmp_path / "a"
+    assert cache_dir() == tmp_path / "a"
     monkeypatch.delenv("INTONE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
-    assert model_source.cache_dir() == tmp_path / "b" / "intone"
+    assert cache_dir() == tmp_path / "b" / "intone"

@@ -17,20 +17,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from intone.engine.cache_dir import cache_dir
 from intone.engine.loading import LoadedModel, ModelUnavailableError, load_model
 
 logger = logging.getLogger(__name__)
 
 FALLBACK_PRESETS = ("full", "tiny")
 HUB_PROBE_TIMEOUT = 3.0  # seconds; the hub client itself retries for ~20 s when offline
-
-
-def cache_dir() -> Path:
-    """$INTONE_CACHE_DIR, else $XDG_CACHE_HOME/intone, else ~/.cache/intone."""
-    if os.environ.get("INTONE_CACHE_DIR"):
-        return Path(os.environ["INTONE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "intone"
 
 
 def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
