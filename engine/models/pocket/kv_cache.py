@@ -12,7 +12,7 @@ num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_head
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -366,9 +366,13 @@ class LaneAttention:
     bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
     lengths: torch.Tensor  # [B] (int64): keys row i reads, its own position included
     kernel: LaneKernel | None = None
+    # With the kernel: where each row's new position starts in a layer of the pool and of the
+    # lanes, in elements.
+    pool_offsets: torch.Tensor = field(init=False)
+    lane_offsets: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.kernel is not None:  # where each row's new position starts, in elements
+        if self.kernel is not None:
             dim = self.pool.keys.shape[-1]
             self.pool_offsets = (self.write_slots * dim).contiguous()
             lane_stride = self.lanes.keys.stride(1)
