@@ -276,8 +276,8 @@ class Engine:
             decoder_int8=precision.decoder_int8,
             decoder_trace_after=config.decoder_trace_after,
             thread_budget=budget,
-            # With the thread budget, a decode batch runs one part per core no other stage holds
-            # as it starts, each on one thread (intra-op threads stall on a core that is shared).
+            # With the thread budget, a decode batch runs one part per core, each on one thread
+            # (intra-op threads stall on a core that is shared).
             decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
             native_kernels=config.native_kernels,
         )

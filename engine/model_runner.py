@@ -80,6 +80,10 @@ class GenerateInputs:
 # positions would be 26 GB.
 LANE_POSITIONS = 1024
 LANE_POOL_MULTIPLE = 4
+# Positions of every lane written at start (`KVLanes.prefault`), so that the first burst of new
+# streams does not wait while their lanes' memory is faulted in: most contexts (a voice, a clause
+# and its frames; 130-140 positions on average in bench/run.py) fit. Full size, 16 rows: 201 MB.
+LANE_PREFAULT_POSITIONS = 256
 
 
 class ModelRunner:
@@ -111,6 +115,7 @@ class ModelRunner:
         rows = max([decoder_slots, *(self.batch_buckets or [])])
         fits = LANE_POOL_MULTIPLE * self.pool.num_slots // rows // LANE_RUN * LANE_RUN
         self.lanes = KVLanes(self.pool, rows, max(LANE_RUN, min(LANE_POSITIONS, fits)))
+        self.lanes.prefault(LANE_PREFAULT_POSITIONS)
         # The C decode attention reads float32 lanes in host memory; elsewhere torch attends.
         lanes_in_c = device.type == "cpu" and self.pool.keys.dtype == torch.float32
         self.lane_kernel = load_lane_kernel() if native_kernels and lanes_in_c else None
@@ -292,9 +297,8 @@ class ModelRunner:
         decoder rows `index` (in ascending slot order, so a run of slots is read in place); each
         row's history advances only when the whole call succeeds.
 
-        On a CPU with several cores a batch of `DECODE_SPLIT_ROWS` rows or more runs as one part
-        per core that no other stage holds, concurrently, each on one thread (see
-        `_decode_parts`)."""
+        On a CPU with several cores a batch of 2 x `DECODE_SPLIT_ROWS` rows or more runs as one
+        part per core, concurrently, each on one thread (see `_decode_parts`)."""
         parts = self._decode_parts(index.shape[0])
         futures = [
             self._decode_pool.submit(self._decode_part, index[part], latents[part])
@@ -318,9 +322,11 @@ class ModelRunner:
             return state, self.decoder.decode(self.flow_lm.denormalize(latents), state)
 
     def _decode_parts(self, rows: int) -> list[slice]:
-        """One part per core no other stage holds now (`ThreadBudget.free_cores`)."""
-        free = self.threads.free_cores() if self.threads else self.decode_parts
-        count = min(self.decode_parts, free, rows // DECODE_SPLIT_ROWS) or 1
+        """One part per core, of at least `DECODE_SPLIT_ROWS` rows each, whether or not the AR
+        stage steps meanwhile: the decoder is the full-size model's bottleneck, and a part that
+        shares the AR thread's core costs the AR stage less than the AR stage gains from calls
+        that end sooner (docs/benchmarks.md, "Decode calls split while the AR stage steps")."""
+        count = min(self.decode_parts, rows // DECODE_SPLIT_ROWS) or 1
         bounds = [rows * i // count for i in range(count + 1)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]
 

@@ -9,13 +9,11 @@ starts, sets its own thread's count (torch's count is per thread, OpenMP's) to t
 among the busy stages, all but one when it starts alone: the slower stage, busy more often
 alone, gets the spare cores. (On 2 cores that is one thread each, whatever the load.)
 
-A decode batch of enough rows runs as one part per free core (`free_cores`: those no busy stage
-holds as it starts) on threads of its own (`ModelRunner.decode_step`), each part counted busy like
-a stage. So when the AR stage idles the decoder has every core (measured on 2 cores, closed loop,
-full size, 8 and 16 streams: 8.4 and 9.9 audio-s/s against 6.4 and 7.0 unsplit). While the AR stage
-steps, a part would share its core: the split trades AR steps, which give new streams their first
-latents and frames, for decoded frames, and first audio came sooner without it at no cost in audio
-per second (docs/benchmarks.md, the paragraph on decode parts).
+A decode batch of enough rows runs as one part per core on threads of its own
+(`ModelRunner.decode_step`), each part counted busy like a stage. So when the AR stage idles the
+decoder has every core (measured on 2 cores, closed loop, full size, 8 and 16 streams: 8.4 and 9.9
+audio-s/s against 6.4 and 7.0 unsplit); while it steps, a part shares its core, which trades AR
+steps for decoded frames (docs/benchmarks.md, "Decode calls split while the AR stage steps").
 """
 
 from __future__ import annotations
@@ -37,10 +35,6 @@ class ThreadBudget:
         if busy_stages <= 1:
             return max(1, self.cores - 1)
         return max(1, self.cores // busy_stages)
-
-    def free_cores(self) -> int:
-        """Cores no busy stage holds now (at least one)."""
-        return max(1, self.cores - self.busy_stages)
 
     @contextmanager
     def busy(self) -> Iterator[None]:

@@ -43,6 +43,7 @@ from intone.engine import (
 )
 from intone.engine.generate import fade_in, generate, generate_latents
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.model_runner import LANE_PREFAULT_POSITIONS
 from intone.engine.options import GenerationOptions, plan_clause
 from intone.engine.stream import PUSH_PIECE_CHARS
 from intone.engine.text import split_clauses
@@ -1072,14 +1073,17 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     assert m["generate_batch_mean"] > 1.0, m
     assert m["generate_batches"] < 4 * 5, m
     assert m["requests_completed"] == 4
-    # The AR rows' lanes: reserved for every row, memory counted as far as the rows' contexts
-    # reached (in runs of 64 positions), every layer's keys and values.
+    # The AR rows' lanes: reserved for every row, memory counted as far as written: every lane
+    # up to LANE_PREFAULT_POSITIONS at start, and past that as far as the rows' contexts reached
+    # (in runs of 64 positions), every layer's keys and values.
     lanes = engine.runner.lanes
     assert lanes.keys.shape[1] == engine.config.max_active
     assert lanes.capacity >= max(lanes.lengths)
     layers, _, heads, _, dim = lanes.keys.shape
     written = sum(lanes.clean)
-    assert 0 < written <= 4 * 64 and max(lanes.lengths) <= max(lanes.clean)
+    prefaulted = min(LANE_PREFAULT_POSITIONS, lanes.capacity)
+    assert min(lanes.clean) == prefaulted and max(lanes.lengths) <= max(lanes.clean)
+    assert written <= engine.config.max_active * prefaulted + 4 * 64
     assert m["kv_lanes_bytes"] == 2 * layers * heads * dim * lanes.keys.element_size() * written
 
     families = {f.name: f for f in text_string_to_metric_families(engine.prometheus().decode())}

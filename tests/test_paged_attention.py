@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from intone.engine import native
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.model_runner import ModelRunner
+from intone.engine.model_runner import LANE_PREFAULT_POSITIONS, ModelRunner
 from intone.engine.models.pocket.kv_cache import (
     KVLanes,
     KVPool,
@@ -588,4 +588,7 @@ def test_the_lanes_reservation_is_bounded_by_the_pool(
     blocks = BlockManager(160, 8)  # 1,288 pool positions with the scratch page
     runner = ModelRunner(tiny_model.model, blocks, rows, 1, torch.device("cpu"))
     assert runner.lanes.keys.shape[1] == rows and runner.lanes.capacity == capacity
+    # Written (faulted in) at start as far as LANE_PREFAULT_POSITIONS, or the whole capacity.
+    assert runner.lanes.clean == [min(capacity, LANE_PREFAULT_POSITIONS)] * rows
+    assert not runner.lanes.keys[:, :, :, : runner.lanes.clean[0]].any()
     runner.close()

@@ -63,9 +63,9 @@ def test_stages_on_two_threads(restore_threads):
     assert budget.busy_stages == 0
 
 
-def test_a_decode_splits_only_over_cores_no_stage_holds(restore_threads, tiny_model: LoadedModel):
-    """A decode batch runs one part per core that no busy stage holds as it starts: two parts on
-    two idle cores, one while the AR stage steps (a part on its core would only share it)."""
+def test_a_decode_splits_over_every_core(restore_threads, tiny_model: LoadedModel):
+    """A decode batch runs one part per core, of at least DECODE_SPLIT_ROWS rows each: two parts
+    on two cores, idle or not (the AR stage stepping on one of them), one for a small batch."""
     model = tiny_model.model
     budget = ThreadBudget(2)
     runner = ModelRunner(
@@ -87,6 +87,9 @@ def test_a_decode_splits_only_over_cores_no_stage_holds(restore_threads, tiny_mo
         parts.clear()
         with budget.busy():  # the AR stage, stepping on this thread's core
             runner.decode(slots, latents)
-        assert parts == [8]
+        assert sorted(parts) == [4, 4]
+        parts.clear()
+        runner.decode(slots[:7], latents[:7])  # 3 + 4: a part under DECODE_SPLIT_ROWS
+        assert parts == [7]
     finally:
         runner.close()
