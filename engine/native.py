@@ -62,7 +62,12 @@ def build(source: Path) -> ctypes.CDLL | None:
         ).hexdigest()[:16]
         target = directory / f"{source.stem}-{key}.so"
         if target.exists() or _compile(cc, flags, source, target):
-            return ctypes.CDLL(str(target))
+            try:
+                return ctypes.CDLL(str(target))
+            except OSError as e:  # a damaged cache file: the next start builds it again
+                logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
+                target.unlink(missing_ok=True)
+                return None
     return None
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,22 @@ def test_store_refuses_offsets_past_its_target(kernel: LaneKernel, offset: int) 
     with pytest.raises(ValueError):
         kernel.store(torch.randn(1, 2, 16), pool, torch.tensor([offset]))
     assert not pool.any()
+
+
+@needs_compiler
+def test_a_damaged_cache_file_means_torch_and_a_rebuild(
+    kernel_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cached library that does not load is deleted, the engine attends in torch, and the
+    next start builds it again. (Built in another process: this one never loaded the file,
+    which the dynamic loader would hand back again whatever the file holds now.)"""
+    source = copied_source(tmp_path, "first")
+    build = "import sys; from pathlib import Path; from intone.engine import native; "
+    build += "native.build(Path(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", build, str(source)], check=True, timeout=120)
+    (built,) = kernel_cache.iterdir()
+    built.write_bytes(b"not a shared library")
+    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+        assert native.build(copied_source(tmp_path, "second")) is None
+    assert "does not load" in caplog.text and not built.exists()
+    assert native.build(copied_source(tmp_path, "third")) is not None
