@@ -55,11 +55,10 @@ def build(source: Path) -> ctypes.CDLL | None:
         logger.warning("C compiler %s does not run (%s): %s runs in torch", cc, e, source.name)
         return None
     directory = cache_dir() / "kernels"
+    what = [source.read_text(), cc, identity, _cpu()]  # what a build depends on, but its flags
     for arch in ARCH_FLAGS:
         flags = (*FLAGS, *arch)
-        key = hashlib.sha256(
-            "\0".join([source.read_text(), cc, identity, *flags, _cpu()]).encode()
-        ).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([*what, *flags]).encode()).hexdigest()[:16]
         target = directory / f"{source.stem}-{key}.so"
         if target.exists() or _compile(cc, flags, source, target):
             try:

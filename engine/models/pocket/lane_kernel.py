@@ -11,7 +11,6 @@ sum over the same bytes: 5.5 ms). It agrees with the torch path to ~4e-7 relativ
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ class LaneKernel:
             raise TypeError(f"store_rows takes float32, not {source.dtype}/{target.dtype}")
         if target.shape[-3] != heads or target.shape[-1] != dim or target.stride(-1) != 1:
             raise ValueError(f"[{rows}, {heads}, {dim}] does not fit {tuple(target.shape)}")
-        _check_offsets(offsets, rows)
+        _check_row_vector(offsets, rows)
         head_stride = target.stride(-3)
         sizes = zip(target.shape, target.stride(), strict=True)
         extent = 1 + sum((size - 1) * stride for size, stride in sizes)  # elements it spans
@@ -72,7 +71,7 @@ class LaneKernel:
             raise TypeError(f"lane_attention takes float32, not {q.dtype}/{keys.dtype}")
         if keys.stride() != values.stride() or keys.stride()[2:] != (dim, 1):
             raise ValueError("lane_attention needs keys and values laid out as KVLanes keeps them")
-        _check_offsets(lengths, rows)
+        _check_row_vector(lengths, rows)
         if heads % kv_heads or rows > keys.shape[0]:
             raise ValueError(f"{rows} rows of {heads} heads over lanes {tuple(keys.shape)}")
         # The kernel trusts these bounds: checked here, where a wrong one is an error, not a
@@ -80,7 +79,6 @@ class LaneKernel:
         if rows and not (int(lengths.min()) >= 1 and int(lengths.max()) <= capacity):
             raise ValueError(f"lengths must lie in 1 .. {capacity}, not {lengths.tolist()}")
         q = q.contiguous()
-        lengths = lengths.contiguous()
         out = torch.empty_like(q)
         status = self._attend(
             q.data_ptr(),
@@ -101,13 +99,13 @@ class LaneKernel:
         return out
 
 
-def _check_offsets(values: torch.Tensor, rows: int) -> None:
+def _check_row_vector(values: torch.Tensor, rows: int) -> None:
     if values.dtype != torch.int64 or values.shape != (rows,) or not values.is_contiguous():
         raise ValueError(f"expected contiguous int64 [{rows}], not {values.dtype} {values.shape}")
 
 
-@functools.cache
 def load_lane_kernel() -> LaneKernel | None:
-    """The kernel, built on first use (see `native.build`); None where it cannot be built."""
+    """The kernel, built on first use and cached (see `native.build`); None where it cannot be
+    built."""
     library = native.build(SOURCE)
     return LaneKernel(library) if library is not None else None
