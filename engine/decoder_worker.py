@@ -1,11 +1,11 @@
 """The decoder component: turns latents into audio, batching whatever is ready.
 
-While the worker is busy, a new stream's first frames are decoded where their latents are
-computed, on the AR thread, from a history of the stream's own outside the state pool
-(`decode_first_frames`): first audio waits for no decode call in flight. Past capacity, at full
-size with 8 streams, such a call took 100-350 ms, and first latents waited behind it. The worker
-sees such a stream only after those frames. An idle worker decodes them itself, at once, split
-across cores while the AR thread steps on.
+While the worker is busy, a new stream's first audio (its first `FIRST_FRAMES_ON_AR` frames,
+together) is decoded where its latents are computed, on the AR thread, from a history of the
+stream's own outside the state pool (`decode_first_frames`): first audio waits for no decode call
+in flight. Past capacity, at full size with 8 streams, such a call took 100-350 ms, and first
+latents waited behind it. The worker sees such a stream only after those frames. An idle worker
+decodes a new stream's latents itself, at once, split across cores while the AR thread steps on.
 
 Everything after those frames runs on the worker's own thread, at its own pace. The AR thread puts
 four kinds of items on its queue, in each request's order: a latent, the end of a clause, a park
@@ -285,16 +285,19 @@ class DecoderWorker:
             count += 1
         return count
 
-    def decode_first_frames(self, items: list[LatentItem]) -> None:
-        """Decode and deliver new streams' first latents now, on the caller's thread (the AR
-        thread, right after it computed them, while the worker is busy), outside the pool: first
-        audio waits for no decode call in flight (at full size with 8 streams past capacity, a
-        call took 100-350 ms). Each row starts from a fresh history or the one its previous
-        first frame left; the worker restores that into a slot with the stream's next latent."""
-        rows = [[item] for item in items if not dropped(item.request)]
-        for row, audio in self._decode_with_retry(rows, self._decode_outside_pool):
-            self._deliver(row, audio)
-            self._starting[row[0].request.id] = row[0].request
+    def decode_first_frames(self, rows: list[list[LatentItem]]) -> None:
+        """Decode and deliver new streams' first latents now, each row one stream's first audio,
+        on the caller's thread (the AR thread, right after it computed them, while the worker is
+        busy), outside the pool: first audio waits for no decode call in flight (at full size
+        with 8 streams past capacity, a call took 100-350 ms). Each row starts from a fresh
+        history; the worker restores the one it leaves into a slot with the stream's next
+        latent. Rows of equal length share a call."""
+        rows = [row for row in rows if not dropped(row[0].request)]
+        for length in sorted({len(row) for row in rows}):
+            same = [row for row in rows if len(row) == length]
+            for row, audio in self._decode_with_retry(same, self._decode_outside_pool):
+                self._deliver(row, audio)
+                self._starting[row[0].request.id] = row[0].request
 
     def _decode_with_retry(
         self,

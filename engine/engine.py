@@ -98,9 +98,13 @@ PACING_POLL_S = 0.02
 AHEAD_OF_DECODER_CALLS = 3
 DUE_DECODER_CALLS = 2
 DUE_LEAD_SHARE = 0.75
-# A new stream's first frames decoded on the AR thread while the decoder is busy, each right
-# after its latent (`Engine._emit`). Playback starts with the first, and the next must come
-# within 80 ms (its length) plus the listener's slack, not after a decode call in flight.
+# While the decoder is busy, a new stream's first audio: this many frames, decoded together on
+# the AR thread once their latents are computed (`Engine._emit`), outside the pool. Playback
+# starts with it, and the decoder worker's first frame must come before it has played, plus
+# the listener's slack, while the worker may first finish a call in flight (at full size on 2
+# cores with 16 streams: up to ~100 ms, then its own call, ~100 ms). One frame (80 ms) first,
+# as before, left too little: streams ran dry at the worker's first frame. The cost is one AR
+# step of first-audio latency, under load only: an idle decoder decodes the first latent at once.
 FIRST_FRAMES_ON_AR = 2
 
 
@@ -885,10 +889,11 @@ class Engine:
 
     def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
         """Hand a pass's latents and clause ends to the decoder, in each request's order. While
-        the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents are decoded here
-        and now, each as soon as it is computed (`DecoderWorker.decode_first_frames`): the
-        decoder sees such a stream only after them."""
-        ended, first = [], []
+        the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents wait on the
+        request (`Request.latents`, all it has generated) and are then decoded here, together
+        (`DecoderWorker.decode_first_frames`): the decoder sees such a stream only after them.
+        An idle decoder takes a new stream's latents at once."""
+        ended, starting = [], []
         decoder_idle = self.decoder.idle
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
@@ -896,27 +901,42 @@ class Engine:
                 request.previous_latent = latent
                 request.latents.append(latent)
                 request.frames_generated += 1
-                item = LatentItem(request, latent, request.clause.index)
-                if request.in_decoder or decoder_idle:
-                    request.in_decoder = True
-                    self.decoder.put(item)
+                if request.in_decoder:
+                    self.decoder.put(LatentItem(request, latent, request.clause.index))
                 else:
-                    first.append(item)
+                    starting.append(request)
             if request.progress.ended:
                 ended.append(request)
+        first = []
+        for request in starting:
+            if decoder_idle or request.progress.ended:
+                self._hand_over(request)
+            elif len(request.latents) >= FIRST_FRAMES_ON_AR:
+                first.append(self._held_latents(request))
+                request.in_decoder = True
         if first:
             self.decoder.decode_first_frames(first)
-            for item in first:
-                if item.request.frames_generated >= FIRST_FRAMES_ON_AR:
-                    item.request.in_decoder = True
         for request in ended:
             assert request.clause is not None and request.progress is not None
+            self._hand_over(request)
             clause, eos = request.clause, request.progress.eos_step
             done_event = ClauseDone(clause.index, clause.text, len(request.latents), eos)
-            request.in_decoder = True
             self.decoder.put(ClauseEndItem(request, done_event))
         if ended:
             self._end_clauses(ended)
+
+    def _held_latents(self, request: Request) -> list[LatentItem]:
+        """A stream's latents before the decoder has seen it: all it generated, in its first
+        clause (a clause's end hands them over)."""
+        assert request.clause is not None
+        return [LatentItem(request, latent, request.clause.index) for latent in request.latents]
+
+    def _hand_over(self, request: Request) -> None:
+        """The decoder takes the stream from here on, with the latents held for its first audio."""
+        if not request.in_decoder:
+            request.in_decoder = True
+            for item in self._held_latents(request):
+                self.decoder.put(item)
 
     def _end_clauses(self, requests: list[Request]) -> None:
         """Clauses the AR stage finished: the chaining tail is known now, so the pages go back

@@ -42,7 +42,7 @@ from intone.engine import (
     decoder_worker,
 )
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
-from intone.engine.engine import DUE_LEAD_SHARE
+from intone.engine.engine import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
 from intone.engine.sequence import Request
 
@@ -316,20 +316,23 @@ async def test_a_new_streams_first_frames_wait_for_no_decode_call(
         stream.cancel()
 
 
-async def test_a_new_streams_first_frames_are_decoded_as_their_latents_come(
-    make_engine,
+async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
+    make_engine, reference: Reference
 ) -> None:
-    """A new stream's first latent is decoded at once, so its first audio waits for the
-    prefill pass only, not for the AR step of the other rows after it; the prefilled row joins
-    that step, and its second latent is decoded at once too (the first frame plays for 80 ms
-    only, too short to wait for a decode call in flight on the decoder thread)."""
+    """While the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents are decoded
+    together on the AR thread, from a fresh history, right after the step that computes the
+    last of them: its first audio waits for no decode call in flight, and starts with 160 ms to
+    play while the decoder worker takes the stream over (which may first end a call in flight).
+    The prefilled row joins the prefill iteration's AR step, so that is one step. The audio is
+    unchanged."""
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)  # busy with the other stream's backlog
     events: list[str] = []
     runner = engine.runner
     prefill, generate, decode_detached = runner.prefill, runner.generate, runner.decode_detached
     busy = engine.stream(None, options(70, max_frames=80))
-    new = engine.stream(None, options(71, max_frames=6))  # text comes later
+    opts = options(71, max_frames=6)
+    new = engine.stream(None, opts)  # text comes later
 
     def recorded_prefill(requests, noise):
         result = prefill(requests, noise)
@@ -343,7 +346,8 @@ async def test_a_new_streams_first_frames_are_decoded_as_their_latents_come(
 
     def recorded_decode_detached(latents, histories):
         result = decode_detached(latents, histories)
-        events.append("fresh frame" if histories == [None] else "next frame")
+        fresh = all(history is None for history in histories)
+        events.append(f"{latents.shape[0]}x{latents.shape[1]} frames" + (" fresh" * fresh))
         return result
 
     runner.prefill, runner.generate = recorded_prefill, recorded_generate
@@ -354,15 +358,49 @@ async def test_a_new_streams_first_frames_are_decoded_as_their_latents_come(
     events.clear()
     new.push_text(TEXTS[0])
     new.end_input()
-    await asyncio.wait_for(drain(new), TIMEOUT)
+    outcome = Outcome(await asyncio.wait_for(drain(new), TIMEOUT))
     busy.cancel()
     start = events.index("prefill")
     # The busy stream was generating, so the new stream's prefill shared an iteration with an
     # AR step, which the new stream joined.
-    want = ["prefill", "fresh frame", "generate with new", "next frame"]
-    assert events[start : start + 4] == want, events[start:]
-    mine = events[start:]
-    assert mine.count("fresh frame") == 1 and mine.count("next frame") == 1, mine
+    want = ["prefill", "generate with new", f"1x{FIRST_FRAMES_ON_AR} frames fresh"]
+    assert events[start : start + 3] == want, events[start:]
+    assert sum("frames" in event for event in events[start:]) == 1, events[start:]
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "first audio on the AR thread")
+
+
+async def test_a_new_stream_that_ends_before_its_first_audio_is_whole_is_decoded(
+    make_engine, reference: Reference
+) -> None:
+    """A clause that ends before `FIRST_FRAMES_ON_AR` latents hands the ones it has to the busy
+    decoder, before its end: none is lost or kept waiting. A stream cancelled while its first
+    latents wait ends, and its pages go back."""
+    assert FIRST_FRAMES_ON_AR > 1
+    engine = make_engine(lead_s=None)
+    slow_decoder(engine, 0.05)
+    floor = voice_pages(engine)
+    busy = engine.stream(None, options(72, max_frames=80))
+    busy.push_text(TEXTS[2])
+    busy.end_input()
+    await asyncio.wait_for(busy.__anext__(), TIMEOUT)
+    opts = options(73, max_frames=1)
+    short = engine.stream(None, opts)
+    short.push_text(TEXTS[0])
+    short.end_input()
+    outcome = Outcome(await asyncio.wait_for(drain(short), TIMEOUT))
+    assert len(outcome.audio) == engine.model.samples_per_frame, len(outcome.audio)
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "a one-frame clause")
+    cancelled = engine.stream(None, options(74, max_frames=80))
+    cancelled.push_text(TEXTS[0])
+    cancelled.end_input()
+    async with asyncio.timeout(TIMEOUT):
+        while cancelled.request.frames_generated == 0:
+            await asyncio.sleep(0.001)
+    cancelled.cancel()
+    await asyncio.wait_for(drain(cancelled), TIMEOUT)
+    busy.cancel()
+    await asyncio.wait_for(drain(busy), TIMEOUT)
+    await wait_idle(engine, floor)
 
 
 @pytest.fixture
@@ -506,7 +544,7 @@ async def test_a_decode_call_ends_before_a_starting_stream_runs_dry(
         request.playback.deliver(2.0, t)
     if starting:
         latent = torch.zeros(worker.runner.flow_lm.latent_dim)
-        worker.decode_first_frames([LatentItem(new, latent, 0)])
+        worker.decode_first_frames([[LatentItem(new, latent, 0)]])
         assert new.frames_delivered == 1
     await decode_backlogs(worker, calls, [(r, 4) for r in ahead], calls=1)
     rows, frames = len(calls[0][0]), calls[0][1]
