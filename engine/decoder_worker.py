@@ -1,11 +1,12 @@
 """The decoder component: turns latents into audio, batching whatever is ready.
 
-While the worker is busy, a new stream's first audio (its first `FIRST_FRAMES_ON_AR` frames,
-together) is decoded where its latents are computed, on the AR thread, from a history of the
-stream's own outside the state pool (`decode_first_frames`): first audio waits for no decode call
-in flight. Past capacity, at full size with 8 streams, such a call took 100-350 ms, and first
-latents waited behind it. The worker sees such a stream only after those frames. An idle worker
-decodes a new stream's latents itself, at once, split across cores while the AR thread steps on.
+While the worker is busy, a new stream's first frames (`FIRST_FRAMES_ON_AR`, each as it comes
+or, where this worker's calls are long, together) are decoded where their latents are computed, on
+the AR thread, from a history of the stream's own outside the state pool (`decode_first_frames`):
+first audio waits for no decode call in flight. Past capacity, at full size with 8 streams, such
+a call took 100-350 ms, and first latents waited behind it. The worker sees such a stream only
+after those frames. An idle worker decodes a new stream's latents itself, at once, split across
+cores while the AR thread steps on.
 
 Everything after those frames runs on the worker's own thread, at its own pace. The AR thread puts
 four kinds of items on its queue, in each request's order: a latent, the end of a clause, a park
@@ -73,7 +74,7 @@ MAX_CALL_S = 0.16
 # row-frame (the 2M decoder: 2.8 ms for one row-frame, 0.6 from 64 on), and cut to the
 # least-buffered stream's few milliseconds they gave 2M c=64 7% less audio per second.
 MIN_CALL_S = 0.05
-# Weight of the newest call in the worker's running estimate of seconds per row-frame.
+# Weight of the newest call in the worker's running measures (seconds per row-frame, per call).
 COST_WEIGHT = 0.2
 
 
@@ -145,8 +146,10 @@ class DecoderWorker:
         self._stopping = False
         self._stop = False
         self._decoding = False  # a call of the worker's own is running
-        # Wall seconds per decoded row-frame of the worker's recent calls; None before any.
+        # Wall seconds per decoded row-frame of the worker's recent calls, and per call; None
+        # before any.
         self.row_frame_s: float | None = None
+        self.call_s: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="intone-decoder", daemon=True)
@@ -286,12 +289,12 @@ class DecoderWorker:
         return count
 
     def decode_first_frames(self, rows: list[list[LatentItem]]) -> None:
-        """Decode and deliver new streams' first latents now, each row one stream's first audio,
+        """Decode and deliver new streams' first latents now, each row a stream's next frames,
         on the caller's thread (the AR thread, right after it computed them, while the worker is
         busy), outside the pool: first audio waits for no decode call in flight (at full size
         with 8 streams past capacity, a call took 100-350 ms). Each row starts from a fresh
-        history; the worker restores the one it leaves into a slot with the stream's next
-        latent. Rows of equal length share a call."""
+        history or the one its previous first frames left; the worker restores that into a slot
+        with the stream's next latent. Rows of equal length share a call."""
         rows = [row for row in rows if not dropped(row[0].request)]
         for length in sorted({len(row) for row in rows}):
             same = [row for row in rows if len(row) == length]
@@ -379,8 +382,8 @@ class DecoderWorker:
         elapsed = time.perf_counter() - started
         self.metrics.step("decode", len(rows), elapsed)
         cost = elapsed / (latents.shape[0] * latents.shape[1])
-        previous = self.row_frame_s
-        self.row_frame_s = cost if previous is None else previous + COST_WEIGHT * (cost - previous)
+        self.row_frame_s = running_mean(self.row_frame_s, cost)
+        self.call_s = running_mean(self.call_s, elapsed)
         return audio
 
     def _decode_outside_pool(self, rows: list[list[LatentItem]]) -> torch.Tensor:
@@ -410,6 +413,11 @@ class DecoderWorker:
             self.metrics.audio(seconds)
             if not dropped(request):
                 request.sink(AudioChunk(frame.numpy(), item.clause))
+
+
+def running_mean(previous: float | None, value: float) -> float:
+    """The worker's running measures: `COST_WEIGHT` for the newest value."""
+    return value if previous is None else previous + COST_WEIGHT * (value - previous)
 
 
 def stack_latents(rows: list[list[LatentItem]]) -> torch.Tensor:

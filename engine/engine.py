@@ -23,6 +23,7 @@ import itertools
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ from intone.engine.decoder_worker import (
     FinishItem,
     LatentItem,
     ParkItem,
+    running_mean,
 )
 from intone.engine.errors import (
     EmptyTextError,
@@ -98,14 +100,19 @@ PACING_POLL_S = 0.02
 AHEAD_OF_DECODER_CALLS = 3
 DUE_DECODER_CALLS = 2
 DUE_LEAD_SHARE = 0.75
-# While the decoder is busy, a new stream's first audio: this many frames, decoded together on
-# the AR thread once their latents are computed (`Engine._emit`), outside the pool. Playback
-# starts with it, and the decoder worker's first frame must come before it has played, plus
-# the listener's slack, while the worker may first finish a call in flight (at full size on 2
-# cores with 16 streams: up to ~100 ms, then its own call, ~100 ms). One frame (80 ms) first,
-# as before, left too little: streams ran dry at the worker's first frame. The cost is one AR
-# step of first-audio latency, under load only: an idle decoder decodes the first latent at once.
+# While the decoder is busy, a new stream's first frames are decoded on the AR thread
+# (`Engine._emit`), outside the pool, this many of them: the decoder worker takes the stream over
+# after them. Playback starts with the first audio, and the worker's first frame of the stream
+# must come before the first frames have played (plus the listener's slack). It comes after the
+# latents, a row's AR steps apart, and `HANDOVER_CALLS` of the worker's calls: one in flight and
+# one of its own. Where those are short (`Engine._first_audio_waits`; the 2M model, 64 streams on
+# 2 cores), each first frame is decoded as soon as its latent comes, and first audio is one frame
+# (80 ms). Where they are long (full size, 16 streams: latents ~70 ms apart, calls ~50 ms), the
+# first audio waits for the second frame and holds both (160 ms): with one frame first, streams
+# ran dry at the worker's first frame. That costs one AR step of first-audio latency, under load
+# only: an idle decoder takes a new stream's latents at once.
 FIRST_FRAMES_ON_AR = 2
+HANDOVER_CALLS = 2
 
 
 @dataclass(frozen=True)
@@ -303,6 +310,9 @@ class Engine:
         self._ar_thread: threading.Thread | None = None
         self._frame_seconds = self.model.samples_per_frame / self.sample_rate
         self._rows_generating = 0
+        # Seconds between a row's latents (a running measure of each pass's median); None
+        # before any row had two.
+        self._latent_interval_s: float | None = None
         self._streams_paced = 0
         self._metrics = EngineMetrics(
             {
@@ -889,15 +899,20 @@ class Engine:
 
     def _emit(self, done: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
         """Hand a pass's latents and clause ends to the decoder, in each request's order. While
-        the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents wait on the
-        request (`Request.latents`, all it has generated) and are then decoded here, together
-        (`DecoderWorker.decode_first_frames`): the decoder sees such a stream only after them.
-        An idle decoder takes a new stream's latents at once."""
-        ended, starting = [], []
+        the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents are decoded here
+        (`DecoderWorker.decode_first_frames`), each as it comes or, where the worker's calls are
+        long (`_first_audio_waits`), together; meanwhile they wait on the request
+        (`Request.latents`, all it has generated). The decoder sees such a stream only after
+        them. An idle decoder takes a new stream's latents at once."""
+        ended, starting, intervals = [], [], []
         decoder_idle = self.decoder.idle
+        t = now()
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
             if request.progress.advance(is_eos):
+                if request.latent_at is not None:
+                    intervals.append(t - request.latent_at)
+                request.latent_at = t
                 request.previous_latent = latent
                 request.latents.append(latent)
                 request.frames_generated += 1
@@ -907,13 +922,17 @@ class Engine:
                     starting.append(request)
             if request.progress.ended:
                 ended.append(request)
+        if intervals:
+            interval = statistics.median(intervals)
+            self._latent_interval_s = running_mean(self._latent_interval_s, interval)
         first = []
+        waits = bool(starting) and self._first_audio_waits()
         for request in starting:
             if decoder_idle or request.progress.ended:
                 self._hand_over(request)
-            elif len(request.latents) >= FIRST_FRAMES_ON_AR:
-                first.append(self._held_latents(request))
-                request.in_decoder = True
+            elif len(request.latents) >= FIRST_FRAMES_ON_AR or not waits:
+                first.append(self._undecoded_latents(request))
+                request.in_decoder = len(request.latents) >= FIRST_FRAMES_ON_AR
         if first:
             self.decoder.decode_first_frames(first)
         for request in ended:
@@ -925,17 +944,30 @@ class Engine:
         if ended:
             self._end_clauses(ended)
 
-    def _held_latents(self, request: Request) -> list[LatentItem]:
-        """A stream's latents before the decoder has seen it: all it generated, in its first
-        clause (a clause's end hands them over)."""
+    def _first_audio_waits(self) -> bool:
+        """Whether a new stream's first audio waits for its second frame. Its first frames each
+        decoded as they come, the decoder worker's first frame of the stream would come about
+        `FIRST_FRAMES_ON_AR` latent intervals and `HANDOVER_CALLS` of the worker's calls after its
+        first audio; it waits where that outlasts those first frames' audio."""
+        interval_s, call_s = self._latent_interval_s, self.decoder.call_s
+        if interval_s is None or call_s is None:
+            return False
+        handover_s = FIRST_FRAMES_ON_AR * interval_s + HANDOVER_CALLS * call_s
+        return handover_s > FIRST_FRAMES_ON_AR * self._frame_seconds
+
+    def _undecoded_latents(self, request: Request) -> list[LatentItem]:
+        """A stream's latents that no decoder has seen yet, before the decoder thread has seen
+        the stream: all of its first clause (a clause's end hands them over) past the frames
+        the AR thread decoded (`Request.frames_delivered`)."""
         assert request.clause is not None
-        return [LatentItem(request, latent, request.clause.index) for latent in request.latents]
+        latents = request.latents[request.frames_delivered :]
+        return [LatentItem(request, latent, request.clause.index) for latent in latents]
 
     def _hand_over(self, request: Request) -> None:
-        """The decoder takes the stream from here on, with the latents held for its first audio."""
+        """The decoder takes the stream from here on, with its latents not decoded yet."""
         if not request.in_decoder:
             request.in_decoder = True
-            for item in self._held_latents(request):
+            for item in self._undecoded_latents(request):
                 self.decoder.put(item)
 
     def _end_clauses(self, requests: list[Request]) -> None:
@@ -947,6 +979,7 @@ class Engine:
                     request.tail = torch.stack(request.latents[-request.chain_frames :])
                 self.scheduler.end_clause(request)
                 request.latents = []
+                request.latent_at = None
                 request.phase = Phase.IDLE
 
     # ---- callbacks from the decoder worker

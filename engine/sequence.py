@@ -103,6 +103,7 @@ class Request:
     table: PageTable | None = None
     prompt: torch.Tensor | None = None  # embeddings awaiting prefill
     previous_latent: torch.Tensor | None = None
+    latent_at: float | None = None  # when its last latent came, in this clause
     progress: ClauseProgress | None = None
     latents: list[torch.Tensor] = field(default_factory=list)
     tail: torch.Tensor | None = None

@@ -41,6 +41,7 @@ from intone.engine import (
     Stream,
     decoder_worker,
 )
+from intone.engine import engine as engine_module
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.engine import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
@@ -316,15 +317,19 @@ async def test_a_new_streams_first_frames_wait_for_no_decode_call(
         stream.cancel()
 
 
+@pytest.mark.parametrize("calls_outlast_a_frame", [True, False])
 async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
-    make_engine, reference: Reference
+    make_engine, reference: Reference, monkeypatch: pytest.MonkeyPatch, calls_outlast_a_frame: bool
 ) -> None:
     """While the decoder is busy, a new stream's first `FIRST_FRAMES_ON_AR` latents are decoded
-    together on the AR thread, from a fresh history, right after the step that computes the
-    last of them: its first audio waits for no decode call in flight, and starts with 160 ms to
-    play while the decoder worker takes the stream over (which may first end a call in flight).
-    The prefilled row joins the prefill iteration's AR step, so that is one step. The audio is
-    unchanged."""
+    on the AR thread, right after the step that computes them: its first audio waits for no
+    decode call in flight. Where `HANDOVER_CALLS` of the worker's calls outlast a frame (the
+    decoder worker may first end a call in flight, then take one of its own for the stream's
+    next frame), they are decoded together, from a fresh history, so that the first audio has
+    160 ms to play; otherwise each as it comes, the first from a fresh history, the second from
+    the one the first left. The prefilled row joins the prefill iteration's AR step. The audio
+    is unchanged."""
+    monkeypatch.setattr(engine_module, "HANDOVER_CALLS", 1000 if calls_outlast_a_frame else 0)
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)  # busy with the other stream's backlog
     events: list[str] = []
@@ -363,9 +368,13 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     start = events.index("prefill")
     # The busy stream was generating, so the new stream's prefill shared an iteration with an
     # AR step, which the new stream joined.
-    want = ["prefill", "generate with new", f"1x{FIRST_FRAMES_ON_AR} frames fresh"]
-    assert events[start : start + 3] == want, events[start:]
-    assert sum("frames" in event for event in events[start:]) == 1, events[start:]
+    if calls_outlast_a_frame:
+        want = ["prefill", "generate with new", f"1x{FIRST_FRAMES_ON_AR} frames fresh"]
+    else:
+        want = ["prefill", "1x1 frames fresh", "generate with new", "1x1 frames"]
+    assert events[start : start + len(want)] == want, events[start:]
+    decoded = [event for event in events[start:] if "frames" in event]
+    assert len(decoded) == len(want) - 2, events[start:]
     check_outcome(outcome, reference, TEXTS[0], "default", opts, "first audio on the AR thread")
 
 
