@@ -379,15 +379,17 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
 
 
 async def test_a_new_stream_that_ends_before_its_first_audio_is_whole_is_decoded(
-    make_engine, reference: Reference
+    make_engine, reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A clause that ends before `FIRST_FRAMES_ON_AR` latents hands the ones it has to the busy
-    decoder, before its end: none is lost or kept waiting. A stream cancelled while its first
-    latents wait ends, and its pages go back."""
+    """Where the first audio waits for `FIRST_FRAMES_ON_AR` latents, a clause that ends before
+    hands the ones it has to the busy decoder, before its end: none is lost or kept waiting. A
+    stream cancelled while its first latents wait ends, and its pages go back."""
     assert FIRST_FRAMES_ON_AR > 1
+    monkeypatch.setattr(engine_module, "HANDOVER_CALLS", 1000)  # the first audio waits
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)
     floor = voice_pages(engine)
+    # Its backlog keeps the decoder busy throughout (80 frames: at least 20 calls of 50 ms).
     busy = engine.stream(None, options(72, max_frames=80))
     busy.push_text(TEXTS[2])
     busy.end_input()
@@ -400,12 +402,23 @@ async def test_a_new_stream_that_ends_before_its_first_audio_is_whole_is_decoded
     assert len(outcome.audio) == engine.model.samples_per_frame, len(outcome.audio)
     check_outcome(outcome, reference, TEXTS[0], "default", opts, "a one-frame clause")
     cancelled = engine.stream(None, options(74, max_frames=80))
+    # Its first AR step after the prefill waits until it is cancelled: its first latent waits.
+    generate, gate = engine.runner.generate, threading.Event()
+
+    def gated(requests, noise):
+        if cancelled.request in requests:
+            gate.wait(TIMEOUT)
+        return generate(requests, noise)
+
+    engine.runner.generate = gated
     cancelled.push_text(TEXTS[0])
     cancelled.end_input()
     async with asyncio.timeout(TIMEOUT):
         while cancelled.request.frames_generated == 0:
             await asyncio.sleep(0.001)
+    assert cancelled.request.frames_delivered == 0 and not cancelled.request.in_decoder
     cancelled.cancel()
+    gate.set()
     await asyncio.wait_for(drain(cancelled), TIMEOUT)
     busy.cancel()
     await asyncio.wait_for(drain(busy), TIMEOUT)
