@@ -122,7 +122,11 @@ class ModelRunner:
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
-            model.mimi, device, int8=decoder_int8, trace_after=decoder_trace_after
+            model.mimi,
+            device,
+            int8=decoder_int8,
+            trace_after=decoder_trace_after,
+            native_ops=native_kernels,
         )
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
         # The input of a clause's first AR step: the BOS latent's embedding.

@@ -1,10 +1,12 @@
-"""C kernels compiled on the machine that runs them, cached, and called through ctypes.
+"""Kernels compiled on the machine that runs them and cached: plain C called through ctypes
+(`build`), and C++ torch operators loaded with `torch.ops.load_library` (`build_torch_library`).
 
 Why compile here: a kernel built with `-march=native` uses the vector units this CPU has
-(AVX-512 on one machine, AVX2 or NEON on another) without shipping a binary per target. The
-kernels are plain C with no torch headers, so a build takes well under a second; it happens once
-per source, compiler and CPU, and later starts load the cached library. Where no C compiler works
-`build` returns None and the caller keeps its torch path.
+(AVX-512 on one machine, AVX2 or NEON on another) without shipping a binary per target. A C
+kernel has no torch headers, so its build takes well under a second; an operator library includes
+torch's headers and takes ~6 s (2-core AMD EPYC). Either happens once per source, compiler, CPU
+(and torch build), and later starts load the cached library. Where nothing builds, both return
+None and the caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from intone.engine.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -29,48 +33,99 @@ FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 # Tried in order: a compiler that does not take -march=native (some clang builds on ARM) still
 # builds a portable library.
 ARCH_FLAGS = (("-march=native",), ())
+# The operators' GCC vector types are 16 floats wide: on AVX-512 one register each, where GCC
+# and Clang otherwise split them in two 256-bit halves (decoder_ops.cpp).
+WIDE_ARCH_FLAGS = (("-march=native", "-mprefer-vector-width=512"), *ARCH_FLAGS)
 BUILD_TIMEOUT_S = 120.0
 
 
 def compiler() -> str | None:
     """$CC, else the first of cc, gcc, clang on the PATH."""
-    if os.environ.get("CC"):
-        return os.environ["CC"]
-    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+    return _find("CC", ("cc", "gcc", "clang"))
+
+
+def cxx_compiler() -> str | None:
+    """$CXX, else the first of c++, g++, clang++ on the PATH."""
+    return _find("CXX", ("c++", "g++", "clang++"))
+
+
+def _find(variable: str, names: tuple[str, ...]) -> str | None:
+    if os.environ.get(variable):
+        return os.environ[variable]
+    return next((path for name in names if (path := shutil.which(name))), None)
 
 
 @functools.cache
 def build(source: Path) -> ctypes.CDLL | None:
     """The library compiled from `source`, from the cache when this source, compiler and CPU
     built it before; None (logged once per source) where it cannot be built."""
-    cc = compiler()
+    target = _library(compiler(), source, FLAGS, ARCH_FLAGS, ())
+    if target is None:
+        return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:  # a damaged cache file: the next start builds it again
+        logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
+        target.unlink(missing_ok=True)
+        return None
+
+
+@functools.cache
+def build_torch_library(source: Path) -> Path | None:
+    """A library of torch operators (C++ against the installed torch's headers, registered with
+    TORCH_LIBRARY) compiled from `source`, for `torch.ops.load_library`; cached per source,
+    compiler, CPU and torch build. None where it cannot be built: the headers ship with torch's
+    wheels, so what can be missing is a C++ compiler."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    library_dir = root / "lib"
+    flags = (
+        *FLAGS,
+        "-std=c++20",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        f"-L{library_dir}",
+        f"-Wl,-rpath,{library_dir}",
+    )
+    libraries = ("-lc10", "-ltorch_cpu")
+    return _library(cxx_compiler(), source, flags, WIDE_ARCH_FLAGS, libraries, torch.__version__)
+
+
+def _library(
+    cc: str | None,
+    source: Path,
+    flags: tuple[str, ...],
+    arch_flags: tuple[tuple[str, ...], ...],
+    libraries: tuple[str, ...],
+    *what: str,
+) -> Path | None:
+    """The path of the library built from `source` with `flags` and the first of `arch_flags`
+    the compiler takes, built now unless the cache has it; `what`: whatever else the build
+    depends on."""
     if cc is None:
-        logger.warning("no C compiler found ($CC, cc, gcc, clang): %s runs in torch", source.name)
+        logger.warning("no compiler found for %s: it runs in torch", source.name)
         return None
     try:
         identity = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("C compiler %s does not run (%s): %s runs in torch", cc, e, source.name)
+        logger.warning("compiler %s does not run (%s): %s runs in torch", cc, e, source.name)
         return None
     directory = cache_dir() / "kernels"
-    what = [source.read_text(), cc, identity, _cpu()]  # what a build depends on, but its flags
-    for arch in ARCH_FLAGS:
-        flags = (*FLAGS, *arch)
-        key = hashlib.sha256("\0".join([*what, *flags]).encode()).hexdigest()[:16]
+    depends = [source.read_text(), cc, identity, _cpu(), *what, *libraries]
+    for arch in arch_flags:
+        all_flags = (*flags, *arch)
+        key = hashlib.sha256("\0".join([*depends, *all_flags]).encode()).hexdigest()[:16]
         target = directory / f"{source.stem}-{key}.so"
-        if target.exists() or _compile(cc, flags, source, target):
-            try:
-                return ctypes.CDLL(str(target))
-            except OSError as e:  # a damaged cache file: the next start builds it again
-                logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
-                target.unlink(missing_ok=True)
-                return None
+        if target.exists() or _compile(cc, all_flags, source, libraries, target):
+            return target
     return None
 
 
-def _compile(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> bool:
+def _compile(
+    cc: str, flags: tuple[str, ...], source: Path, libraries: tuple[str, ...], target: Path
+) -> bool:
     """Compile into a temporary file beside `target`, then rename: a process that loads the
     library while another builds it sees the whole file or none."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -78,7 +133,7 @@ def _compile(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> boo
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *flags, str(source), "-o", partial],
+            [cc, *flags, str(source), "-o", partial, *libraries],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,

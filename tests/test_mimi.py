@@ -8,6 +8,7 @@ import torch
 from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.models.pocket import decoder_ops
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.gemm_decoder import (
     SEANET_GROUP_VALUES,
@@ -66,13 +67,15 @@ def decode_in_calls(decoder, latents: torch.Tensor, frames_per_call: list[int]) 
 
 @pytest.mark.parametrize("checkpoint", ["tiny", "full"])
 @pytest.mark.parametrize("group_values", [SEANET_GROUP_VALUES, 1])
+@pytest.mark.parametrize("native", [False, True])
 @torch.no_grad()
 def test_gemm_decoder_equals_mimi(
-    checkpoint: str, group_values: int, tiny_model: LoadedModel, request
+    checkpoint: str, group_values: int, native: bool, tiny_model: LoadedModel, request
 ):
     """The engine's CPU decoder computes Mimi.decode: calls of 1 to 6 frames (past its 4-frame
     ring), 20 frames in all (past the transformer's 250-step window); with the SEANet on the
-    whole batch at once and on one row at a time (each row's histories advance in place)."""
+    whole batch at once and on one row at a time (each row's histories advance in place); in
+    torch and with decoder_ops' operators."""
     if checkpoint == "full":
         model = load_model(request.getfixturevalue("full_checkpoint")).model
     else:
@@ -81,7 +84,9 @@ def test_gemm_decoder_equals_mimi(
     latents = torch.randn(3, 20, mimi.quantizer.output_proj.in_channels)
     calls = [1, 2, 6, 4, 3, 1, 3]
     want = decode_in_calls(mimi, latents, calls)
-    got = decode_in_calls(GemmDecoder(mimi, seanet_group_values=group_values), latents, calls)
+    decoder = GemmDecoder(mimi, seanet_group_values=group_values, native_ops=native)
+    assert decoder.native == (native and decoder_ops.load())
+    got = decode_in_calls(decoder, latents, calls)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -102,8 +107,11 @@ def test_winograd_matrices_compute_the_correlation(tile: int, kernel: int):
 
 
 @pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("native", [False, True])
 @torch.no_grad()
-def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int8: bool):
+def test_gemm_decoder_rows_with_different_histories(
+    tiny_model: LoadedModel, int8: bool, native: bool
+):
     """Rows of a state pool (the engine's layout: conv histories gathered and scattered, the
     attention rings read and written in place) at different points decode as they would alone.
 
@@ -112,7 +120,7 @@ def test_gemm_decoder_rows_with_different_histories(tiny_model: LoadedModel, int
     error instead, and its transformer keys (raw int8 products) are not compared.
     """
     mimi = tiny_model.model.mimi
-    decoder = GemmDecoder(mimi, int8=int8)
+    decoder = GemmDecoder(mimi, int8=int8, native_ops=native)
     assert decoder.int8 == int8
     rtol = 1e-3 if int8 else 1e-5
     pool = DecoderStatePool(decoder, 4, torch.device("cpu"))
@@ -172,9 +180,10 @@ def test_engine_decode_calls_equal_mimi_per_row(tiny_checkpoint):
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("group_values", [SEANET_GROUP_VALUES, 1 << 14])
+@pytest.mark.parametrize("native", [False, True])
 @torch.no_grad()
 def test_traced_decoder_replays_the_eager_decoder_exactly(
-    tiny_model: LoadedModel, int8: bool, group_values: int
+    tiny_model: LoadedModel, int8: bool, group_values: int, native: bool
 ):
     """The traced decoder gives the eager one's audio and histories bit for bit, on calls whose
     shapes differ from the call each trace was made on: 1 to 9 rows, 1 to 6 frames, rows of a
@@ -183,7 +192,13 @@ def test_traced_decoder_replays_the_eager_decoder_exactly(
     and on its third (the first two eager)."""
     mimi = tiny_model.model.mimi
     decoders = [
-        GemmDecoder(mimi, int8=int8, seanet_group_values=group_values, trace_after=trace_after)
+        GemmDecoder(
+            mimi,
+            int8=int8,
+            seanet_group_values=group_values,
+            trace_after=trace_after,
+            native_ops=native,
+        )
         for trace_after in (None, 1, 3)
     ]
     pools = [DecoderStatePool(decoder, 12, torch.device("cpu")) for decoder in decoders]
@@ -235,9 +250,10 @@ def test_one_trace_serves_every_frame_count(full_checkpoint):
     engine makes one trace per part, not one per shape (each trace is a stall of up to a second
     while it is made)."""
     mimi = load_model(full_checkpoint).model.mimi
-    traced = GemmDecoder(mimi, trace_after=1)
+    # The engine's decoder: decoder_ops' operators where they build.
+    traced = GemmDecoder(mimi, trace_after=1, native_ops=True)
     assert traced.winograd_rates, "the full-size decoder should have Winograd layers"
-    eager = GemmDecoder(mimi)
+    eager = GemmDecoder(mimi, native_ops=True)
     states = [decoder.init_decoder_state(3) for decoder in (traced, eager)]
     gen = torch.Generator().manual_seed(5)
     for rows, frames in ((1, 1), (1, 3), (2, 2), (3, 4), (1, 4), (3, 1)):

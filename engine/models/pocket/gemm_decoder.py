@@ -22,6 +22,7 @@ Its streaming state has the same entries as `Mimi.init_decoder_state` with time-
 
 from __future__ import annotations
 
+import copy
 import logging
 from fractions import Fraction
 
@@ -30,30 +31,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from intone.engine.models.pocket import traces
+from intone.engine.models.pocket import decoder_ops, traces
 from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
 
 logger = logging.getLogger(__name__)
-
-
-_LOG2_E = 1.4426950408889634
-
-
-def _elu(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """ELU(x) = max(x, 2^(min(x, 0) log2 e) - 1), written into `out`.
-
-    aten's ELU kernel spends its time in a vectorised expm1, and its `exp` is slow too:
-    on one AVX-512 core `exp` takes 0.80 ns per element, `exp2` 0.29 and each of the other
-    passes here ~0.05 (1.33 for aten's ELU), and the decoder's ELUs see ~8.5 million elements
-    per 16-row frame. 2^y - 1 is within 1e-7 of expm1 where y <= 0, and e^x - 1 >= x there, so
-    the maximum picks the right branch on both sides."""
-    torch.clamp(x, max=0.0, out=out)
-    out.mul_(_LOG2_E)
-    out.exp2_()
-    out.sub_(1.0)
-    return torch.maximum(out, x, out=out)
 
 
 # Interpolation points of the Winograd transforms, taken in this order (infinity comes last):
@@ -105,6 +88,7 @@ class _Conv:
         dilation: int,
         elu: bool,
         tile: int = 1,
+        native: bool = False,
     ):
         self.key = key
         self.weights = weights
@@ -113,6 +97,7 @@ class _Conv:
         self.history = (weights.shape[0] - 1) * dilation
         self.in_channels = weights.shape[1]
         self.elu = elu
+        self.native = native  # the ELU through decoder_ops' operator
         self.tile = tile if dilation == 1 and weights.shape[0] > 1 else 1
         if self.tile > 1:
             out_t, g, in_t = winograd_matrices(self.tile, weights.shape[0])
@@ -120,7 +105,7 @@ class _Conv:
             self.transformed = torch.einsum("jk,kio->jio", g, weights).contiguous()
 
     @classmethod
-    def of(cls, module: StreamingConv1d, elu: bool) -> _Conv:
+    def of(cls, module: StreamingConv1d, elu: bool, native: bool) -> _Conv:
         conv = module.conv
         if conv.groups != 1 or conv.stride[0] != 1 or module.pad_mode != "constant":
             raise ValueError("GemmDecoder supports ungrouped stride-1 zero-padded convolutions")
@@ -129,7 +114,8 @@ class _Conv:
         weights = conv.weight.detach().permute(2, 1, 0).contiguous()
         bias = None if conv.bias is None else conv.bias.detach().clone()
         tile = winograd_tile(conv.in_channels, conv.out_channels)
-        return cls(f"{module.state_name}.previous", weights, bias, conv.dilation[0], elu, tile)
+        key = f"{module.state_name}.previous"
+        return cls(key, weights, bias, conv.dilation[0], elu, tile, native)
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.history == 0:
@@ -145,7 +131,7 @@ class _Conv:
         buf = x.new_empty(b, self.history + t, c)
         buf[:, : self.history] = previous
         if self.elu:
-            _elu(x, buf[:, self.history :])
+            decoder_ops.elu_into(x, buf[:, self.history :], self.native)
         else:
             buf[:, self.history :] = x
         previous.copy_(buf[:, t:])
@@ -169,7 +155,8 @@ class _Conv:
     def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
         b, t, _ = x.shape
         if self.history == 0:
-            x = _elu(x, torch.empty_like(x)) if self.elu else x
+            if self.elu:
+                x = decoder_ops.elu_into(x, torch.empty_like(x), self.native)
             return F.linear(x, self.weights[0].t(), self.bias)
         buf = self.with_history(x, state)
         if self.tile > 1 and t % self.tile == 0:
@@ -195,7 +182,7 @@ class _ConvTranspose:
     a two-tap causal convolution to stride x Cout channels, reshaped to stride frames: no
     overlap-add pass, and the ELU fuses into the one-frame history as in `_Conv`."""
 
-    def __init__(self, module: StreamingConvTranspose1d, elu: bool):
+    def __init__(self, module: StreamingConvTranspose1d, elu: bool, native: bool):
         convtr = module.convtr
         kernel, stride = convtr.kernel_size[0], convtr.stride[0]
         if kernel != 2 * stride:
@@ -217,7 +204,7 @@ class _ConvTranspose:
             weights = torch.stack([tap.permute(0, 2, 1).reshape(cin, -1) for tap in taps])
             weights = weights.contiguous()  # [2, Cin, stride * Cout]
         tile = 1 if self.depthwise else winograd_tile(*weights.shape[1:])
-        self.conv = _Conv(key, weights, bias, dilation=1, elu=elu, tile=tile)
+        self.conv = _Conv(key, weights, bias, dilation=1, elu=elu, tile=tile, native=native)
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.depthwise:
@@ -241,7 +228,7 @@ class _ConvTranspose:
 
 
 class _ResBlock:
-    def __init__(self, block: SEANetResnetBlock):
+    def __init__(self, block: SEANetResnetBlock, native: bool):
         layers = list(block.block)
         if not (
             len(layers) == 4
@@ -250,7 +237,7 @@ class _ResBlock:
             and all(isinstance(m, StreamingConv1d) for m in layers[1::2])
         ):
             raise ValueError("GemmDecoder supports ELU-conv-ELU-conv residual blocks")
-        self.convs = [_Conv.of(layers[1], elu=True), _Conv.of(layers[3], elu=True)]
+        self.convs = [_Conv.of(layers[1], True, native), _Conv.of(layers[3], True, native)]
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         state: State = {}
@@ -302,11 +289,19 @@ class RingKV:
     each such slot before it attends to it, so a failed call leaves no trace.
     """
 
-    def __init__(self, state: State, prefix: str, context: int, positions: torch.Tensor):
+    def __init__(
+        self,
+        state: State,
+        prefix: str,
+        context: int,
+        positions: torch.Tensor,
+        native: bool = False,
+    ):
         self.state = state
         self.prefix = prefix
         self.context = context
         self.positions = positions  # [B, T]
+        self.native = native  # attend through decoder_ops' operator
         size = state[f"{prefix}.0.key_positions"].shape[1]
         self.slots = positions % size
         self.index = state.get(ROWS)
@@ -323,6 +318,10 @@ class RingKV:
         keys.index_put_(where, k)
         values.index_put_(where, v)
         key_pos.index_put_(where, self.positions)
+        if self.native:
+            return torch.ops.intone.ring_attention(
+                q, keys, values, key_pos, self.positions, self.index, self.context
+            )
         if self.index is not None:
             keys, values = keys[self.index], values[self.index]
             key_pos = key_pos[self.index]
@@ -360,6 +359,7 @@ class GemmDecoder:
         int8: bool = False,
         seanet_group_values: int = SEANET_GROUP_VALUES,
         trace_after: int | None = None,
+        native_ops: bool = False,
     ):
         if mimi.quantizer.output_proj.kernel_size[0] != 1:
             raise ValueError("GemmDecoder needs a 1x1 quantizer output projection")
@@ -372,13 +372,19 @@ class GemmDecoder:
         self.in_place_state = frozenset(f"transformer.{i}.{f}" for i in layers for f in fields)
         self.ring = mimi.decoder_transformer.context + max_frames * mimi.steps_per_frame - 1
         self.output_proj = mimi.quantizer.output_proj.weight.detach()[:, :, 0].clone()
-        self.upsample = _ConvTranspose(mimi.upsample.convtr, elu=False)
+        self.upsample = _ConvTranspose(mimi.upsample.convtr, elu=False, native=False)
+        self.native = native_ops and decoder_ops.load()
         self.transformer = mimi.decoder_transformer
         self.int8 = False
         if int8:
             quantized = int8_linears(mimi.decoder_transformer)
             if quantized is not None:
                 self.transformer, self.int8 = quantized, True
+        if self.native:
+            if not self.int8:  # its own copy: `mimi`'s layers keep torch's GELU
+                self.transformer = copy.deepcopy(mimi.decoder_transformer)
+            for layer in self.transformer.transformer.layers:
+                layer.activation = decoder_ops.gelu_tanh
         self.layers: list = []
         elu = False
         for module in mimi.decoder.model:
@@ -386,13 +392,13 @@ class GemmDecoder:
                 elu = True
                 continue
             if isinstance(module, StreamingConv1d):
-                self.layers.append(_Conv.of(module, elu))
+                self.layers.append(_Conv.of(module, elu, self.native))
             elif isinstance(module, StreamingConvTranspose1d):
-                self.layers.append(_ConvTranspose(module, elu))
+                self.layers.append(_ConvTranspose(module, elu, self.native))
             elif isinstance(module, SEANetResnetBlock):
                 if elu:
                     raise ValueError("GemmDecoder: an ELU in front of a residual block")
-                self.layers.append(_ResBlock(module))
+                self.layers.append(_ResBlock(module, self.native))
             else:
                 raise ValueError(f"GemmDecoder: unsupported decoder layer {type(module).__name__}")
             elu = False
@@ -495,7 +501,7 @@ class GemmDecoder:
         offset = state["transformer.offset"]
         steps = x.shape[1]
         positions = offset[:, None] + torch.arange(steps, device=x.device)
-        cache = RingKV(state, "transformer", self.transformer.context, positions)
+        cache = RingKV(state, "transformer", self.transformer.context, positions, self.native)
         x = self.transformer.transformer(x, positions, cache)
         offset += steps
         return x
@@ -513,17 +519,21 @@ TRACE_AFTER_CALLS = 20
 
 
 def make_decoder(
-    mimi: Mimi, device: torch.device, int8: bool = False, trace_after: int | None = None
+    mimi: Mimi,
+    device: torch.device,
+    int8: bool = False,
+    trace_after: int | None = None,
+    native_ops: bool = True,
 ) -> Mimi | GemmDecoder:
     """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears;
-    traced from `trace_after` calls of a shape on, where this torch can), `Mimi` itself
-    elsewhere (cuDNN convolutions)."""
+    traced from `trace_after` calls of a shape on, where this torch can; with `native_ops`,
+    decoder_ops' operators where they build), `Mimi` itself elsewhere (cuDNN convolutions)."""
     if device.type != "cpu":
         return mimi
     if not traces.available():
         trace_after = None
     try:
-        return GemmDecoder(mimi, int8=int8, trace_after=trace_after)
+        return GemmDecoder(mimi, int8=int8, trace_after=trace_after, native_ops=native_ops)
     except ValueError as e:
         logger.warning("Mimi decoder layout not supported by GemmDecoder (%s): eager path", e)
         return mimi

@@ -9,6 +9,7 @@ batch mix requests at different positions with different histories.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -90,6 +91,10 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(out.reshape(*lead, -1))
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class LayerScale(nn.Module):
     def __init__(self, channels: int, init: float):
         super().__init__()
@@ -121,12 +126,15 @@ class TransformerLayer(nn.Module):
         else:
             self.layer_scale_1 = LayerScale(d_model, layer_scale)
             self.layer_scale_2 = LayerScale(d_model, layer_scale)
+        # The feed-forward activation: an owner may swap in a faster kernel of the same function
+        # (the CPU decoder's copy does: gemm_decoder.py).
+        self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh
 
     def forward(
         self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         x = x + self.layer_scale_1(self.self_attn(self.norm1(x), rotation, cache, layer))
-        update = self.linear2(F.gelu(self.linear1(self.norm2(x)), approximate="tanh"))
+        update = self.linear2(self.activation(self.linear1(self.norm2(x))))
         return x + self.layer_scale_2(update)
 
 

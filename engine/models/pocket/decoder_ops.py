@@ -1,0 +1,67 @@
+"""The CPU decoder's ELU, tanh GELU and ring attention as torch operators (`decoder_ops.cpp`,
+registered as `torch.ops.intone.*`), where this machine can build them; torch's own operators
+elsewhere.
+
+They are operators rather than ctypes calls because the decoder runs as TorchScript traces
+(traces.py), which record registered operators and replay them without the GIL. Measured on one
+core of the 2-core AMD EPYC (AVX-512), against the torch path they replace (docs/benchmarks.md):
+see `decoder_ops.cpp` for what each saves and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from intone.engine import native
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decoder_ops.cpp")
+
+_LOG2_E = 1.4426950408889634
+
+
+@functools.cache
+def load() -> bool:
+    """Whether `torch.ops.intone`'s decoder operators are registered: built on first use and
+    cached (`native.build_torch_library`), loaded once per process."""
+    path = native.build_torch_library(SOURCE)
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:  # a damaged cache file: the next start builds it again
+        logger.warning("%s does not load (%s): the decoder runs in torch", path, e)
+        path.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def elu_into(x: torch.Tensor, out: torch.Tensor, native: bool) -> torch.Tensor:
+    """ELU(x) written into `out` ([B, T, C], rows of [T, C] contiguous, as the decoder's
+    activations and history buffers are).
+
+    In torch: max(x, 2^(min(x, 0) log2 e) - 1). aten's ELU kernel spends its time in a
+    vectorised expm1, and its `exp` is slow too: on one AVX-512 core `exp` takes 0.80 ns per
+    element, `exp2` 0.29 and each of the other passes here ~0.05 (1.33 for aten's ELU). 2^y - 1
+    is within 1e-7 of expm1 where y <= 0, and e^x - 1 >= x there, so the maximum picks the right
+    branch on both sides. The operator does the same in one pass."""
+    if native:
+        return torch.ops.intone.elu_into(x, out)
+    torch.clamp(x, max=0.0, out=out)
+    out.mul_(_LOG2_E)
+    out.exp2_()
+    out.sub_(1.0)
+    return torch.maximum(out, x, out=out)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximated GELU through the operator (float32 on a CPU only)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.gelu(x, approximate="tanh")
+    return torch.ops.intone.gelu_tanh(x)

@@ -1,0 +1,195 @@
+"""The CPU decoder's operators in C++ (engine/models/pocket/decoder_ops.cpp): each equals the
+torch path it replaces, the ring attention reads only the slots a query may see, bad calls are
+refused, and where no C++ compiler works the decoder keeps its torch path. That the whole
+decoder with them equals `Mimi.decode`, eager and traced, is tests/test_mimi.py's `native`
+cases."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from intone.engine import Engine, EngineConfig, native
+from intone.engine.loading import LoadedModel, load_model
+from intone.engine.models.pocket import decoder_ops
+from intone.engine.models.pocket.gemm_decoder import GemmDecoder, RingKV
+
+
+@pytest.fixture(scope="module")
+def ops() -> None:
+    if not decoder_ops.load():
+        if native.cxx_compiler() is None:
+            pytest.skip("no C++ compiler on this machine: the decoder runs in torch")
+        pytest.fail("a C++ compiler is here, but decoder_ops.cpp did not build")
+
+
+@pytest.mark.parametrize("history", [0, 2])
+def test_elu_equals_torch_on_views_of_wider_buffers(ops: None, history: int) -> None:
+    """Into the tail of a history buffer, from a view whose rows are further apart than they
+    are long (a convolution's output), as the decoder calls it."""
+    wide = torch.randn(3, 9, 40) * 4
+    x = wide[:, :7]
+    buffer = torch.full((3, history + 7, 40), float("nan"))
+    out = decoder_ops.elu_into(x, buffer[:, history:], native=True)
+    torch.testing.assert_close(out, F.elu(x), rtol=0, atol=2e-7)
+    assert torch.equal(buffer[:, history:], out)
+    assert buffer[:, :history].isnan().all()  # the history in front is not touched
+    torch.testing.assert_close(
+        decoder_ops.elu_into(x, torch.empty_like(x), native=False), F.elu(x), rtol=0, atol=2e-7
+    )
+
+
+def test_gelu_equals_torch(ops: None) -> None:
+    x = torch.cat([torch.randn(4, 1000) * 5, torch.tensor([[0.0, -0.0, 1e-30, -1e-30] * 250])])
+    torch.testing.assert_close(
+        decoder_ops.gelu_tanh(x), F.gelu(x, approximate="tanh"), rtol=1e-6, atol=1e-6
+    )
+    half = x.bfloat16()  # other dtypes stay on torch's kernel
+    assert torch.equal(decoder_ops.gelu_tanh(half), F.gelu(half, approximate="tanh"))
+
+
+def ring_state(
+    rows: int, size: int, heads: int, dim: int, filled: list[int], gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """One layer of `rows` rings of `size` slots, row r holding its last filled[r] positions."""
+    state = {
+        "t.0.keys": torch.randn(rows, size, heads, dim, generator=gen),
+        "t.0.values": torch.randn(rows, size, heads, dim, generator=gen),
+        "t.0.key_positions": torch.full((rows, size), -1, dtype=torch.long),
+    }
+    for row, count in enumerate(filled):
+        positions = torch.arange(max(0, count - size), count)
+        state["t.0.key_positions"][row, positions % size] = positions
+    return state
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "steps"), [(4, 4, 16), (4, 2, 5), (2, 1, 40), (8, 8, 1)]
+)
+@pytest.mark.parametrize("pool_rows", [False, True])
+def test_ring_attention_equals_the_masked_sdpa(
+    ops: None, heads: int, kv_heads: int, steps: int, pool_rows: bool
+) -> None:
+    """Rows at different points of their streams (an empty ring, one shorter than the window,
+    full rings), grouped-query heads, query blocks of 1, 5, 16 and 40 steps (past one block of
+    16), and a batch that is rows of a larger pool by index (ROWS) or the pool itself."""
+    gen = torch.Generator().manual_seed(7)
+    context, dim = 12, 8
+    size = context + 40 - 1
+    filled = [0, 7, 30, 200, 13]
+    state = ring_state(len(filled), size, kv_heads, dim, filled, gen)
+    rows = torch.tensor([3, 0, 4, 2]) if pool_rows else torch.arange(len(filled))
+    positions = torch.tensor(filled)[rows][:, None] + torch.arange(steps)
+    q = torch.randn(len(rows), steps, heads, dim, generator=gen)
+    k = torch.randn(len(rows), steps, kv_heads, dim, generator=gen)
+    v = torch.randn(len(rows), steps, kv_heads, dim, generator=gen)
+    outputs = []
+    for use_ops in (False, True):
+        layer = {name: tensor.clone() for name, tensor in state.items()}
+        if pool_rows:
+            layer["transformer.rows"] = rows
+        outputs.append(RingKV(layer, "t", context, positions, use_ops).attend(0, q, k, v))
+    want, got = outputs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_ring_attention_reads_only_the_slots_a_query_sees(ops: None) -> None:
+    """NaN in every slot outside a row's window, or empty, changes nothing."""
+    gen = torch.Generator().manual_seed(8)
+    context, steps = 10, 3
+    state = ring_state(2, 40, 2, 8, [35, 4], gen)
+    keys, values, key_pos = state["t.0.keys"], state["t.0.values"], state["t.0.key_positions"]
+    positions = torch.tensor([[35, 36, 37], [4, 5, 6]])
+    q = torch.randn(2, steps, 2, 8, generator=gen)
+
+    def attend() -> torch.Tensor:
+        return torch.ops.intone.ring_attention(q, keys, values, key_pos, positions, None, context)
+
+    clean = attend()
+    lowest = positions[:, :1] - context + 1
+    unseen = (key_pos < 0) | (key_pos < lowest) | (key_pos > positions[:, -1:])
+    keys[unseen] = values[unseen] = float("nan")
+    assert torch.equal(attend(), clean) and torch.isfinite(clean).all()
+
+
+def test_ring_attention_refuses_calls_it_would_read_past(ops: None) -> None:
+    keys = torch.randn(2, 8, 2, 4)
+    key_pos = torch.zeros(2, 8, dtype=torch.long)
+    q, positions = torch.randn(2, 3, 2, 4), torch.zeros(2, 3, dtype=torch.long)
+    attend = torch.ops.intone.ring_attention
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        attend(q, keys, keys, key_pos, positions, torch.tensor([0, 2]), 4)
+    with pytest.raises(RuntimeError, match="rows must be int64"):
+        attend(q, keys, keys, key_pos, positions, torch.tensor([0]), 4)
+    with pytest.raises(RuntimeError, match="heads or dims"):
+        attend(torch.randn(2, 3, 3, 4), keys, keys, key_pos, positions, None, 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        attend(q, keys.double(), keys.double(), key_pos, positions, None, 4)
+    with pytest.raises(RuntimeError, match="key_positions"):
+        attend(q, keys, keys, key_pos[:, :4], positions, None, 4)
+    with pytest.raises(RuntimeError, match="positions must be"):
+        attend(q, keys, keys, key_pos, positions[:, :2], None, 4)
+    with pytest.raises(RuntimeError, match="context"):
+        attend(q, keys, keys, key_pos, positions, None, 0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attend(
+            q, keys.transpose(1, 2).contiguous().transpose(1, 2), keys, key_pos, positions, None, 4
+        )
+    with pytest.raises(RuntimeError, match="must match"):
+        torch.ops.intone.elu_into(torch.randn(2, 3, 4), torch.empty(2, 3, 5))
+
+
+@torch.no_grad()
+def test_the_traced_decoder_replays_the_operators(ops: None, tiny_model: LoadedModel) -> None:
+    """A trace records the operators like aten's own (a call the tracer left out would replay
+    its first output as a constant), so later traced calls equal eager ones bit for bit."""
+    mimi = tiny_model.model.mimi
+    traced, eager = (GemmDecoder(mimi, native_ops=True, trace_after=t) for t in (1, None))
+    assert traced.native and eager.native
+    states = [decoder.init_decoder_state(2) for decoder in (traced, eager)]
+    gen = torch.Generator().manual_seed(9)
+    for frames in (3, 1, 2):
+        latents = torch.randn(2, frames, mimi.quantizer.output_proj.in_channels, generator=gen)
+        got, want = (d.decode(latents, s) for d, s in zip((traced, eager), states, strict=True))
+        assert torch.equal(got, want), frames
+    assert len(traced.traces) == 2
+
+
+def copied_source(tmp_path: Path, name: str) -> Path:
+    """A fresh path: `native.build_torch_library` caches its answer per source path."""
+    (tmp_path / name).mkdir()
+    return Path(shutil.copy(decoder_ops.SOURCE, tmp_path / name / decoder_ops.SOURCE.name))
+
+
+def test_no_cxx_compiler_means_the_torch_decoder(
+    monkeypatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, tiny_model: LoadedModel
+) -> None:
+    monkeypatch.setenv("INTONE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+        assert native.build_torch_library(copied_source(tmp_path, "src")) is None
+    assert "runs in torch" in caplog.text
+    monkeypatch.setattr(decoder_ops, "load", lambda: False)
+    decoder = GemmDecoder(tiny_model.model.mimi, native_ops=True)
+    assert not decoder.native
+    layer = decoder.transformer.transformer.layers[0]
+    assert layer.activation is not decoder_ops.gelu_tanh
+
+
+def test_native_kernels_switches_the_decoder_operators(tiny_checkpoint: Path) -> None:
+    loaded = load_model(tiny_checkpoint)
+    for enabled in (True, False):
+        engine = Engine(loaded, EngineConfig(native_kernels=enabled))
+        try:
+            expected = enabled and native.cxx_compiler() is not None
+            assert engine.runner.decoder.native == expected
+        finally:
+            engine.close()
+    # The model's own decoder transformer keeps torch's GELU: the operator is on a copy.
+    for layer in loaded.model.mimi.decoder_transformer.transformer.layers:
+        assert layer.activation is not decoder_ops.gelu_tanh
