@@ -42,6 +42,9 @@ def test_elu_equals_torch_on_views_of_wider_buffers(ops: None, history: int) -> 
     torch.testing.assert_close(
         decoder_ops.elu_into(x, torch.empty_like(x), native=False), F.elu(x), rtol=0, atol=2e-7
     )
+    across = wide.transpose(1, 2)[:, :7]  # any other layout is read through a copy
+    out = decoder_ops.elu_into(across, torch.empty(3, 7, 9), native=True)
+    torch.testing.assert_close(out, F.elu(across), rtol=0, atol=2e-7)
 
 
 def test_gelu_equals_torch(ops: None) -> None:
@@ -142,6 +145,8 @@ def test_ring_attention_refuses_calls_it_would_read_past(ops: None) -> None:
         )
     with pytest.raises(RuntimeError, match="must match"):
         torch.ops.intone.elu_into(torch.randn(2, 3, 4), torch.empty(2, 3, 5))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.intone.elu_into(torch.randn(2, 3, 4), torch.empty(2, 4, 3).transpose(1, 2))
 
 
 @torch.no_grad()

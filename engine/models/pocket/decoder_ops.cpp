@@ -51,19 +51,19 @@ inline float exp_nonpositive(float x) {
   return p * two_to_n;
 }
 
-/* [..., rows, C] float32 tensors whose rows of the last two dims are contiguous: the decoder's
+/* Whether a [B, T, C] tensor's rows (its last two dims) are contiguous: the decoder's
  * activations are such views of wider buffers (a convolution's history in front). */
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, not ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 3, name, " must be [B, T, C], not ", t.sizes());
-  TORCH_CHECK(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)),
-              name, " must have contiguous [T, C] rows, strides ", t.strides());
+bool dense_rows(const at::Tensor& t) {
+  return t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2));
 }
 
-at::Tensor& elu_into(const at::Tensor& x, at::Tensor& out) {
-  check_rows(x, "x");
-  check_rows(out, "out");
-  TORCH_CHECK(x.sizes() == out.sizes(), "out ", out.sizes(), " must match x ", x.sizes());
+at::Tensor& elu_into(const at::Tensor& input, at::Tensor& out) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "elu_into takes float32, not ", input.scalar_type(), " into ", out.scalar_type());
+  TORCH_CHECK(input.dim() == 3, "x must be [B, T, C], not ", input.sizes());
+  TORCH_CHECK(input.sizes() == out.sizes(), "out ", out.sizes(), " must match x ", input.sizes());
+  TORCH_CHECK(dense_rows(out), "out must have contiguous [T, C] rows, strides ", out.strides());
+  const at::Tensor x = dense_rows(input) ? input : input.contiguous();
   const int64_t rows = x.size(0), n = x.size(1) * x.size(2);
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
