@@ -1,5 +1,5 @@
 """Kernels compiled on the machine that runs them and cached: plain C called through ctypes
-(`build`), and C++ torch operators loaded with `torch.ops.load_library` (`build_torch_library`).
+(`build`), and C++ torch operators loaded with `torch.ops.load_library` (`load_torch_library`).
 
 Why compile here: a kernel built with `-march=native` uses the vector units this CPU has
 (AVX-512 on one machine, AVX2 or NEON on another) without shipping a binary per target. A C
@@ -20,7 +20,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +39,8 @@ ARCH_FLAGS = (("-march=native",), ())
 # and Clang otherwise split them in two 256-bit halves (decoder_ops.cpp).
 WIDE_ARCH_FLAGS = (("-march=native", "-mprefer-vector-width=512"), *ARCH_FLAGS)
 BUILD_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
 
 
 def compiler() -> str | None:
@@ -60,22 +64,16 @@ def build(source: Path) -> ctypes.CDLL | None:
     """The library compiled from `source`, from the cache when this source, compiler and CPU
     built it before; None (logged once per source) where it cannot be built."""
     target = _library(compiler(), source, FLAGS, ARCH_FLAGS, ())
-    if target is None:
-        return None
-    try:
-        return ctypes.CDLL(str(target))
-    except OSError as e:  # a damaged cache file: the next start builds it again
-        logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
-        target.unlink(missing_ok=True)
-        return None
+    return None if target is None else _load(target, source, ctypes.CDLL)
 
 
 @functools.cache
-def build_torch_library(source: Path) -> Path | None:
-    """A library of torch operators (C++ against the installed torch's headers, registered with
-    TORCH_LIBRARY) compiled from `source`, for `torch.ops.load_library`; cached per source,
-    compiler, CPU and torch build. None where it cannot be built: the headers ship with torch's
-    wheels, so what can be missing is a C++ compiler."""
+def load_torch_library(source: Path) -> bool:
+    """Whether the torch operators of `source` (C++ against the installed torch's headers,
+    registered with TORCH_LIBRARY) are loaded: compiled unless the cache has them for this
+    source, compiler, CPU and torch build, then `torch.ops.load_library`. False where they
+    cannot be built: the headers ship with torch's wheels, so what can be missing is a C++
+    compiler."""
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     library_dir = root / "lib"
@@ -88,7 +86,26 @@ def build_torch_library(source: Path) -> Path | None:
         f"-Wl,-rpath,{library_dir}",
     )
     libraries = ("-lc10", "-ltorch_cpu")
-    return _library(cxx_compiler(), source, flags, WIDE_ARCH_FLAGS, libraries, torch.__version__)
+    cxx = cxx_compiler()
+    target = _library(cxx, source, flags, WIDE_ARCH_FLAGS, libraries, torch.__version__)
+    return target is not None and _load(target, source, _register_operators) is not None
+
+
+def _register_operators(path: str) -> str:
+    """Loads the library at `path` into torch's operator registry (`torch.ops.<namespace>`)."""
+    torch.ops.load_library(path)
+    return path
+
+
+def _load(target: Path, source: Path, loader: Callable[[str], T]) -> T | None:
+    """`loader(target)`; None where the cached file does not load (a damaged cache file: it is
+    deleted, so the next start builds it again)."""
+    try:
+        return loader(str(target))
+    except (OSError, RuntimeError) as e:
+        logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
+        target.unlink(missing_ok=True)
+        return None
 
 
 def _library(

@@ -1,6 +1,7 @@
 """The CPU decoder's operators in C++ (engine/models/pocket/decoder_ops.cpp): each equals the
 torch path it replaces, the ring attention reads only the slots a query may see, bad calls are
-refused, and where no C++ compiler works the decoder keeps its torch path. That the whole
+refused, and where no C++ compiler works the decoder keeps its torch path (the engine's switch,
+`native_kernels`, is tests/test_native_kernels.py's). That the whole
 decoder with them equals `Mimi.decode`, eager and traced, is tests/test_mimi.py's `native`
 cases."""
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from intone.engine import Engine, EngineConfig, native
-from intone.engine.loading import LoadedModel, load_model
+from intone.engine import native
+from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket import decoder_ops
 from intone.engine.models.pocket.gemm_decoder import GemmDecoder, RingKV
 
@@ -166,7 +167,7 @@ def test_the_traced_decoder_replays_the_operators(ops: None, tiny_model: LoadedM
 
 
 def copied_source(tmp_path: Path, name: str) -> Path:
-    """A fresh path: `native.build_torch_library` caches its answer per source path."""
+    """A fresh path: `native.load_torch_library` caches its answer per source path."""
     (tmp_path / name).mkdir()
     return Path(shutil.copy(decoder_ops.SOURCE, tmp_path / name / decoder_ops.SOURCE.name))
 
@@ -177,24 +178,10 @@ def test_no_cxx_compiler_means_the_torch_decoder(
     monkeypatch.setenv("INTONE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
-        assert native.build_torch_library(copied_source(tmp_path, "src")) is None
+        assert native.load_torch_library(copied_source(tmp_path, "src")) is False
     assert "runs in torch" in caplog.text
     monkeypatch.setattr(decoder_ops, "load", lambda: False)
     decoder = GemmDecoder(tiny_model.model.mimi, native_ops=True)
     assert not decoder.native
     layer = decoder.transformer.transformer.layers[0]
     assert layer.activation is not decoder_ops.gelu_tanh
-
-
-def test_native_kernels_switches_the_decoder_operators(tiny_checkpoint: Path) -> None:
-    loaded = load_model(tiny_checkpoint)
-    for enabled in (True, False):
-        engine = Engine(loaded, EngineConfig(native_kernels=enabled))
-        try:
-            expected = enabled and native.cxx_compiler() is not None
-            assert engine.runner.decoder.native == expected
-        finally:
-            engine.close()
-    # The model's own decoder transformer keeps torch's GELU: the operator is on a copy.
-    for layer in loaded.model.mimi.decoder_transformer.transformer.layers:
-        assert layer.activation is not decoder_ops.gelu_tanh

@@ -16,6 +16,7 @@ import torch
 
 from intone.engine import Engine, EngineConfig, native
 from intone.engine.loading import load_model
+from intone.engine.models.pocket import decoder_ops
 from intone.engine.models.pocket.lane_kernel import SOURCE, LaneKernel, load_lane_kernel
 
 needs_compiler = pytest.mark.skipif(
@@ -129,15 +130,21 @@ def test_the_kernel_refuses_other_layouts(kernel: LaneKernel) -> None:
 
 
 def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
-    """On by default on a CPU where a compiler works; False keeps torch's attention."""
+    """On by default on a CPU where a compiler works: the AR attention kernel and the decoder's
+    operators; False keeps torch's paths for both."""
     loaded = load_model(tiny_checkpoint)
     for enabled in (True, False):
         engine = Engine(loaded, EngineConfig(native_kernels=enabled))
         try:
             expected = enabled and native.compiler() is not None
             assert (engine.runner.lane_kernel is not None) == expected
+            expected = enabled and native.cxx_compiler() is not None
+            assert engine.runner.decoder.native == expected
         finally:
             engine.close()
+    # The model's own decoder transformer keeps torch's GELU: the operator is on a copy.
+    for layer in loaded.model.mimi.decoder_transformer.transformer.layers:
+        assert layer.activation is not decoder_ops.gelu_tanh
 
 
 def test_store_writes_each_row_where_its_offset_says(kernel: LaneKernel) -> None:

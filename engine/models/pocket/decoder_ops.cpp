@@ -16,8 +16,8 @@
  *   boolean mask built per call; here each row's queries read only the slots they may see, in
  *   place (the pool's rows by index, where given), with no mask tensor.
  *
- * Built without -ffast-math: the `omp simd` pragmas are what allow the reductions to vectorise,
- * and exp_nonpositive is written out so the loops that call it vectorise too.
+ * Built without -ffast-math: every loop works on GCC vector types (`floats`), so nothing relies
+ * on the compiler vectorising a scalar loop.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,23 +32,48 @@
 
 namespace {
 
-/* e^x for x <= 0, within 2 ulp of expf (Cephes' expf polynomial); below -87, e^-87. */
-inline float exp_nonpositive(float x) {
+constexpr int64_t QB = 16; /* queries per block: the lanes of one vector */
+constexpr int64_t KB = 8;  /* keys per pass of the score loop: independent accumulators */
+constexpr int64_t DB = 16; /* value dims per pass of the output loop: accumulators in registers */
+
+/* GCC/Clang vector types: one AVX-512 register, two AVX2 or four NEON registers. */
+typedef float floats __attribute__((vector_size(QB * sizeof(float))));
+typedef int32_t ints __attribute__((vector_size(QB * sizeof(int32_t))));
+
+/* e^x for x <= 0 lane by lane, within 2 ulp of expf (Cephes' expf polynomial); below -87,
+ * e^-87. */
+inline floats exp_nonpositive(floats x) {
   const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  x = x < -87.0f ? -87.0f : x;
-  float n = (x * 1.44269504088896341f + round) - round;
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  x = x < -87.0f ? floats{} - 87.0f : x;
+  floats n = (x * 1.44269504088896341f + round) - round;
+  floats r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  floats p = floats{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float two_to_n;
-  std::memcpy(&two_to_n, &bits, sizeof two_to_n);
-  return p * two_to_n;
+  ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
+  return p * (floats)bits;
+}
+
+/* out[i] = f(in[i]) for n floats, a vector at a time; the tail through a zero-padded one. */
+template <typename F>
+void map_floats(const float* in, float* out, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + QB <= n; i += QB) {
+    floats v;
+    std::memcpy(&v, in + i, sizeof v);
+    v = f(v);
+    std::memcpy(out + i, &v, sizeof v);
+  }
+  if (i < n) {
+    floats v = {};
+    std::memcpy(&v, in + i, (n - i) * sizeof(float));
+    v = f(v);
+    std::memcpy(out + i, &v, (n - i) * sizeof(float));
+  }
 }
 
 /* Whether a [B, T, C] tensor's rows (its last two dims) are contiguous: the decoder's
@@ -68,17 +93,12 @@ at::Tensor& elu_into(const at::Tensor& input, at::Tensor& out) {
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t x_step = x.stride(0), out_step = out.stride(0);
-  for (int64_t b = 0; b < rows; b++) {
-    const float* __restrict__ in = xs + b * x_step;
-    float* __restrict__ o = os + b * out_step;
-    /* e^x - 1 for x <= 0 is within 1e-7 of expm1 (the reference's ELU). */
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-      float v = in[i];
-      float e = exp_nonpositive(v < 0.0f ? v : 0.0f) - 1.0f;
-      o[i] = v > 0.0f ? v : e;
-    }
-  }
+  /* e^x - 1 for x <= 0 is within 1e-7 of expm1 (the reference's ELU). */
+  const auto elu = [](floats v) {
+    const floats e = exp_nonpositive(v < 0.0f ? v : floats{}) - 1.0f;
+    return v > 0.0f ? v : e;
+  };
+  for (int64_t b = 0; b < rows; b++) map_floats(xs + b * x_step, os + b * out_step, n, elu);
   return out;
 }
 
@@ -86,45 +106,16 @@ at::Tensor gelu_tanh(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, not ", x.scalar_type());
   const at::Tensor in = x.contiguous();
   at::Tensor out = at::empty(in.sizes(), in.options());
-  const float* __restrict__ xs = in.data_ptr<float>();
-  float* __restrict__ os = out.data_ptr<float>();
-  const int64_t n = in.numel();
-  const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
   /* x (1 + tanh z) / 2 = x / (1 + e^-2z), z = k (x + 0.044715 x^3); e^-2z through |z| so that
    * the exponent stays <= 0: for z < 0, x e^2z / (1 + e^2z). */
-#pragma omp simd
-  for (int64_t i = 0; i < n; i++) {
-    float v = xs[i];
-    float z = k * (v + 0.044715f * v * v * v);
-    float e = exp_nonpositive(-2.0f * std::fabs(z));
-    float s = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-    os[i] = v * s;
-  }
+  const auto gelu = [](floats v) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    const floats z = k * (v + 0.044715f * v * v * v);
+    const floats e = exp_nonpositive(-2.0f * (z < 0.0f ? -z : z));
+    return v * (z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+  };
+  map_floats(in.data_ptr<float>(), out.data_ptr<float>(), in.numel(), gelu);
   return out;
-}
-
-constexpr int64_t QB = 16; /* queries per block: the lanes of one vector */
-constexpr int64_t KB = 8;  /* keys per pass of the score loop: independent accumulators */
-constexpr int64_t DB = 16; /* value dims per pass of the output loop: accumulators in registers */
-
-/* GCC/Clang vector types: one AVX-512 register, two AVX2 or four NEON registers. */
-typedef float floats __attribute__((vector_size(QB * sizeof(float))));
-typedef int32_t ints __attribute__((vector_size(QB * sizeof(int32_t))));
-
-inline floats exp_nonpositive(floats x) {
-  const float round = 12582912.0f;
-  x = x < -87.0f ? floats{} - 87.0f : x;
-  floats n = (x * 1.44269504088896341f + round) - round;
-  floats r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  floats p = floats{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
-  return p * (floats)bits;
 }
 
 /* One (row, query head, block of up to QB queries) over `count` slots: scores, softmax and the

@@ -10,8 +10,6 @@ see `decoder_ops.cpp` for what each saves and why.
 
 from __future__ import annotations
 
-import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -19,27 +17,15 @@ from torch.nn import functional as F
 
 from intone.engine import native
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 
 _LOG2_E = 1.4426950408889634
 
 
-@functools.cache
 def load() -> bool:
     """Whether `torch.ops.intone`'s decoder operators are registered: built on first use and
-    cached (`native.build_torch_library`), loaded once per process."""
-    path = native.build_torch_library(SOURCE)
-    if path is None:
-        return False
-    try:
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as e:  # a damaged cache file: the next start builds it again
-        logger.warning("%s does not load (%s): the decoder runs in torch", path, e)
-        path.unlink(missing_ok=True)
-        return False
-    return True
+    cached, loaded once per process (`native.load_torch_library`)."""
+    return native.load_torch_library(SOURCE)
 
 
 def elu_into(x: torch.Tensor, out: torch.Tensor, native: bool) -> torch.Tensor:
