@@ -23,8 +23,8 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from backends import _Server, free_port
 from common import NO_EOS
+from server_process import ServerProcess, free_port
 
 VOICE = "bench"
 STAGES = ("prefill", "generate", "decode")
@@ -64,7 +64,7 @@ class WsBackend:
             cmd += ["--ray", "--replicas", "1", "--ray-streams-per-connection", "1"]
         self.base = f"http://127.0.0.1:{port}"
         log = self.workdir / ("ws-ray-server.log" if self.ray else "ws-server.log")
-        self.server = _Server(cmd, f"{self.base}/healthz", log)
+        self.server = ServerProcess(cmd, f"{self.base}/healthz", log)
         await self.server.start()
         self.clients = []
         for _ in range(self.connections):
