@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
-from intone.provider.server.protocol import unpack_audio
+from intone.provider.protocol import unpack_audio
 
 LONG_TEXT = " ".join(
     f"This is sentence number {i} of a long answer that the user is about to interrupt."

@@ -37,8 +37,7 @@ from intone.engine import (
 )
 from intone.engine.events import WordTiming
 from intone.engine.options import option_names
-from intone.provider import registry
-from intone.provider.server import protocol
+from intone.provider import protocol, registry
 
 logger = logging.getLogger(__name__)
 

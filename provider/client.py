@@ -67,8 +67,8 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from intone.provider.server import protocol
-from intone.provider.server.protocol import DEFAULT_FORMAT, WS_PATH, unpack_audio
+from intone.provider import protocol
+from intone.provider.protocol import DEFAULT_FORMAT, WS_PATH, unpack_audio
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 server's error codes, so that in-process and remote failures are reported alike.
 
 Every engine error has a stable `code` (`intone.engine.errors`), and the server sends its own
-codes (`intone.provider.server.protocol.ErrorCode`) which the client raises as `IntoneError`.
+codes (`intone.provider.protocol.ErrorCode`) which the client raises as `IntoneError`.
 `error_code` gives either as a string; the plugins map codes, never messages, onto their
 framework's error kinds.
 """

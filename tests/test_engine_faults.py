@@ -477,8 +477,7 @@ def test_option_lists_derive_from_generation_options() -> None:
 
     from livekit.plugins import intone as livekit_intone
 
-    from intone.provider import pipecat
-    from intone.provider.server import protocol
+    from intone.provider import pipecat, protocol
 
     names = [name for name in option_names() if name != "flow_steps"]  # fixed per engine
     assert list(protocol.STREAM_OPTIONS) == names

@@ -25,7 +25,7 @@ from test_server_support import (
 from websockets.asyncio.client import connect
 
 from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
-from intone.provider.server.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
+from intone.provider.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
 
 SEED = {"seed": 7}
 

@@ -34,8 +34,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from intone.provider.client import IntoneClient, IntoneError
+from intone.provider.protocol import STREAM_OPTIONS
 from intone.provider.server import ServerSettings, create_app
-from intone.provider.server.protocol import STREAM_OPTIONS
 
 BIG = "__5000_digits__"  # replaced by a 5000-digit integer literal (json.dumps cannot write one)
 FAST = {"max_frames": 6}

@@ -11,11 +11,11 @@ import soundfile
 from hypothesis import given
 from hypothesis import strategies as st
 
+from intone.engine.audio import PcmEncoder
 from intone.engine.options import option_names
-from intone.provider.server import protocol
+from intone.provider import protocol
+from intone.provider.protocol import ErrorCode, ProtocolError, parse_message
 from intone.provider.server.encoders import make_encoder, wav_header
-from intone.provider.server.pcm import PcmEncoder
-from intone.provider.server.protocol import ErrorCode, ProtocolError, parse_message
 
 
 @given(

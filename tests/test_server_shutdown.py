@@ -16,7 +16,7 @@ from test_server_support import LONG_TEXT, recv_event, send
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from intone.provider.server.protocol import unpack_audio
+from intone.provider.protocol import unpack_audio
 
 DRAIN_TIMEOUT = 3.0
 

@@ -20,8 +20,8 @@ import uvicorn
 from websockets.asyncio.client import ClientConnection
 
 from intone.engine import Engine, EngineConfig, load_model
+from intone.provider.protocol import unpack_audio
 from intone.provider.server import ServerSettings, create_app
-from intone.provider.server.protocol import unpack_audio
 from intone.provider.server.serve import uvicorn_config
 
 # Small limits so the limit tests are cheap.

@@ -52,11 +52,10 @@ from intone.engine import (
     LoadedModel,
     ModelUnavailableError,
 )
-from intone.engine.audio import to_pcm16
+from intone.engine.audio import StreamResampler, to_pcm16
 from intone.engine.options import check_settings, option_names
 from intone.provider import backends, registry
 from intone.provider.errors import Kind, error_kind
-from intone.provider.server.pcm import StreamResampler
 
 from .log import logger
 from .models import TTSModels, TTSVoices

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from intone.provider.server.protocol import KEY_SUBPROTOCOL_PREFIX
+from intone.provider.protocol import KEY_SUBPROTOCOL_PREFIX
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 QUERY_KEY = "api_key"

@@ -26,10 +26,11 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from intone.engine import Engine, EngineConfig
-from intone.provider.server import openai_api, protocol
+from intone.provider import protocol
+from intone.provider.protocol import ErrorCode
+from intone.provider.server import openai_api
 from intone.provider.server.access import bearer
 from intone.provider.server.openai_api import error_response
-from intone.provider.server.protocol import ErrorCode
 from intone.provider.server.runtime import EngineUnavailableError, Runtime, ServedModel, model_name
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.websocket import websocket_endpoint

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from intone.provider.server.protocol import ErrorCode
+from intone.provider.protocol import ErrorCode
 from intone.provider.server.settings import ServerSettings
 
 

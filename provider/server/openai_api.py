@@ -46,15 +46,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from intone.engine import AudioChunk, EngineError, GenerationOptions, InvalidOptionError
 from intone.engine import Stream as EngineStream
+from intone.engine.audio import StreamResampler
 from intone.engine.errors import UnknownModelError
 from intone.engine.options import check_option
-from intone.provider.server import protocol
+from intone.provider import protocol
+from intone.provider.protocol import ErrorCode, ProtocolError, echo
 from intone.provider.server.access import bearer
 from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
 from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
-from intone.provider.server.pcm import StreamResampler
-from intone.provider.server.protocol import ErrorCode, ProtocolError, echo
 from intone.provider.server.runtime import EngineUnavailableError, Runtime
 
 logger = logging.getLogger(__name__)

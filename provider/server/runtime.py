@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from intone.engine import Engine, releases
 from intone.engine.errors import UnknownModelError
+from intone.provider.protocol import echo
 from intone.provider.server.access import Access
 from intone.provider.server.limits import Limits
 from intone.provider.server.logs import ClientErrorLog
 from intone.provider.server.metrics import EnginesCollector, ServerMetrics
-from intone.provider.server.protocol import echo
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
 

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from intone.engine import Engine, UnknownVoiceError
-from intone.provider.server.protocol import echo
+from intone.provider.protocol import echo
 
 logger = logging.getLogger(__name__)
 

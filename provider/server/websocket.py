@@ -39,12 +39,12 @@ from intone.engine import (
     IdleTimeoutError,
 )
 from intone.engine import Stream as EngineStream
-from intone.provider.server import protocol
+from intone.engine.audio import PcmEncoder
+from intone.provider import protocol
+from intone.provider.protocol import CloseCode, ErrorCode, ProtocolError
 from intone.provider.server.access import websocket_key
 from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
-from intone.provider.server.pcm import PcmEncoder
-from intone.provider.server.protocol import CloseCode, ErrorCode, ProtocolError
 from intone.provider.server.runtime import EngineUnavailableError, Runtime
 
 logger = logging.getLogger(__name__)
