@@ -67,6 +67,7 @@ from urllib.parse import urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from intone.engine.errors import Kind
 from intone.provider import protocol
 from intone.provider.protocol import DEFAULT_FORMAT, WS_PATH, unpack_audio
 
@@ -81,6 +82,7 @@ class IntoneError(Exception):
     def __init__(self, code: str, message: str, stream: str | None = None):
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.kind = protocol.code_kind(code)
         self.message = message
         self.stream = stream
 
@@ -90,6 +92,7 @@ class IntoneConnectionError(IntoneError, ConnectionError):
 
     def __init__(self, message: str, stream: str | None = None):
         super().__init__("connection_closed", message, stream)
+        self.kind = Kind.CONNECTION
 
 
 class IntoneTimeoutError(IntoneError, TimeoutError):
@@ -97,6 +100,7 @@ class IntoneTimeoutError(IntoneError, TimeoutError):
 
     def __init__(self, message: str, stream: str | None = None):
         super().__init__("timeout", message, stream)
+        self.kind = Kind.CONNECTION
 
 
 def ws_url(url: str) -> str:

@@ -35,10 +35,10 @@ from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedModel, releases
 from intone.engine.audio import to_pcm16
-from intone.engine.errors import InvalidOptionError, UnknownModelError
+from intone.engine.errors import InvalidOptionError, Kind, UnknownModelError
 from intone.engine.options import check_settings, option_names
 from intone.provider import backends, registry
-from intone.provider.errors import Kind, error_kind, is_busy
+from intone.provider.errors import error_kind, is_busy
 
 # Generation settings a turn's stream takes from the service settings: GenerationOptions'
 # fields, less flow_steps, which is fixed per engine.

@@ -5,8 +5,8 @@ every field checked: type, length, lone surrogates and numbers too large to be m
 events (`HelloEvent`, `StartedEvent`, `ClauseDoneEvent`, `DoneEvent`, `CancelledEvent`,
 `ErrorEvent`) are dataclasses, serialised by `encode_event` and read back by `parse_event`, so
 neither side builds or reads these dicts by hand. Error codes and WebSocket close codes live
-here too, with the mapping of the engine's typed errors onto them. docs/protocol.md is the
-reference; this module is its executable form.
+here too, with what each code means to a caller that retries (`code_kind`). docs/protocol.md is
+the reference; this module is its executable form.
 
 Binary frames carry one chunk of PCM for one stream:
 
@@ -27,7 +27,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
-from intone.engine import errors as engine_errors
+from intone.engine.errors import EngineError, InvalidOptionError, Kind, engine_errors
 from intone.engine.options import check_option, option_names
 
 PROTOCOL_VERSION = 1
@@ -105,29 +105,45 @@ class CloseCode(IntEnum):
     TOO_MANY_CONNECTIONS = 4429
 
 
-# The engine's typed errors, by type (most specific first); see engine_error_code().
-_ENGINE_ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
-    (engine_errors.InvalidOptionError, ErrorCode.BAD_OPTIONS),
-    (engine_errors.UnknownVoiceError, ErrorCode.UNKNOWN_VOICE),
-    (engine_errors.UnknownModelError, ErrorCode.UNKNOWN_MODEL),
-    (engine_errors.EmptyTextError, ErrorCode.EMPTY_TEXT),
-    (engine_errors.InvalidTextError, ErrorCode.BAD_TEXT),
-    (engine_errors.TextTooLongError, ErrorCode.TEXT_TOO_LONG),
-    (engine_errors.StreamClosedError, ErrorCode.STREAM_CLOSED),
-    (engine_errors.EngineFullError, ErrorCode.SERVER_BUSY),
-    (engine_errors.EngineClosedError, ErrorCode.SHUTTING_DOWN),
-    (engine_errors.IdleTimeoutError, ErrorCode.IDLE_TIMEOUT),
-    (engine_errors.EngineError, ErrorCode.ENGINE_ERROR),
-    # Untyped refusals of the text (older engine paths): the input, not the server, is wrong.
-    (ValueError, ErrorCode.BAD_TEXT),
-)
+# What each server-side code means to whoever retries; the engine's codes carry their own kind
+# on their error types (`intone.engine.errors`), so each code has exactly one.
+_SERVER_CODE_KINDS: dict[ErrorCode, Kind] = {
+    ErrorCode.BAD_JSON: Kind.BAD_REQUEST,
+    ErrorCode.BAD_MESSAGE: Kind.BAD_REQUEST,
+    ErrorCode.UNKNOWN_TYPE: Kind.BAD_REQUEST,
+    ErrorCode.BINARY_NOT_ACCEPTED: Kind.BAD_REQUEST,
+    ErrorCode.MESSAGE_TOO_LARGE: Kind.BAD_INPUT,
+    ErrorCode.TOO_MANY_STREAMS: Kind.BUSY,
+    ErrorCode.UNKNOWN_STREAM: Kind.BAD_REQUEST,
+    ErrorCode.STREAM_EXISTS: Kind.BAD_REQUEST,
+    ErrorCode.BAD_SAMPLE_RATE: Kind.BAD_REQUEST,
+    ErrorCode.BAD_FORMAT: Kind.BAD_REQUEST,
+    ErrorCode.INTERNAL_ERROR: Kind.SERVER,
+    ErrorCode.UNAUTHORIZED: Kind.AUTH,
+    ErrorCode.ORIGIN_NOT_ALLOWED: Kind.AUTH,
+    ErrorCode.TOO_MANY_CONNECTIONS: Kind.BUSY,
+    ErrorCode.RATE_LIMITED: Kind.BUSY,
+    ErrorCode.STREAM_TIMEOUT: Kind.BAD_INPUT,
+    ErrorCode.SLOW_CLIENT: Kind.CONNECTION,
+}
+CODE_KINDS: dict[str, Kind] = {
+    **{error.code: error.kind for error in engine_errors()},
+    **_SERVER_CODE_KINDS,
+}
+
+
+def code_kind(code: str) -> Kind:
+    """What an error code means to whoever retries; UNKNOWN for a code this version lacks."""
+    return CODE_KINDS.get(code, Kind.UNKNOWN)
 
 
 def engine_error_code(error: BaseException) -> ErrorCode:
-    """The protocol's code for an error the engine raised, by its type."""
-    for kind, code in _ENGINE_ERROR_CODES:
-        if isinstance(error, kind):
-            return code
+    """The protocol's code for an error the engine raised: its own, which is a wire code."""
+    if isinstance(error, EngineError):
+        return ErrorCode(error.code)
+    if isinstance(error, ValueError):
+        # An untyped refusal of the text: the input, not the server, is wrong.
+        return ErrorCode.BAD_TEXT
     return ErrorCode.ENGINE_ERROR
 
 
@@ -398,7 +414,7 @@ def _parse_start(stream: str, data: dict[str, Any]) -> Start:
             raise ProtocolError(ErrorCode.BAD_OPTIONS, f"option {key!r} is {echo(value)}")
         try:
             check_option(key, value)
-        except engine_errors.InvalidOptionError as e:
+        except InvalidOptionError as e:
             raise ProtocolError(ErrorCode.BAD_OPTIONS, str(e)) from None
     text = data.get("text")
     if text is not None:

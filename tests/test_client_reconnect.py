@@ -207,10 +207,11 @@ async def _count_audio(turn) -> int:
 async def test_a_server_that_never_answers_times_out_with_a_typed_error():
     """A hung server holds the socket open: `stream()` waited forever for `started` (dead air
     in a turn); a missing hello raised a bare TimeoutError."""
+    from intone.engine.errors import Kind
     from intone.provider import protocol
     from intone.provider.backends import RemoteBackend
     from intone.provider.client import IntoneTimeoutError
-    from intone.provider.errors import Kind, error_kind
+    from intone.provider.errors import error_kind
 
     received: list[str] = []
 

@@ -217,7 +217,7 @@ async def test_a_fault_ends_only_its_request(make_engine, reference: Reference, 
     outcome, error = results[CULPRIT]
     assert isinstance(error, EngineFailedError), f"culprit ended with {error!r}"
     assert isinstance(error.__cause__, InjectedFault), error.__cause__
-    assert error.code == "engine_failed"
+    assert error.code == "engine_error"
     # What the culprit got before its fault is the start of its own audio.
     text, voice, opts = jobs()[CULPRIT]
     want = reference.audio(text, voice, opts)

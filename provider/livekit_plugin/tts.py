@@ -53,9 +53,10 @@ from intone.engine import (
     ModelUnavailableError,
 )
 from intone.engine.audio import StreamResampler, to_pcm16
+from intone.engine.errors import Kind
 from intone.engine.options import check_settings, option_names
 from intone.provider import backends, registry
-from intone.provider.errors import Kind, error_kind
+from intone.provider.errors import error_kind
 
 from .log import logger
 from .models import TTSModels, TTSVoices

@@ -1,7 +1,7 @@
 """intone's server: an ASGI app with WebSocket streaming and an OpenAI-compatible speech API.
 
-    from intone.provider.server import create_app
-    app = create_app(engine)            # or create_app() to build the default engine lazily
+from intone.provider.server import create_app
+app = create_app(engine)            # or create_app() to build the default engine lazily
 """
 
 from __future__ import annotations
