@@ -65,7 +65,7 @@ def _say(args: argparse.Namespace) -> None:
     from intone.engine.voices import load_voice
 
     # Generation and decoding overlap on two threads: one intra-op thread each per core pair
-    # (on 2 cores: RTF 0.97x the reference's instead of 1.06x; bench/results/cpu-2core).
+    # (two threads each would oversubscribe the cores; bench/results/cpu-2core/README.md).
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     # Checked before the model loads and speaks, not found out when the WAV is written.
     to_stdout = str(args.out) == "-"

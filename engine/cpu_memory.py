@@ -3,9 +3,9 @@
 A decode call allocates and frees tens of MB of activations (full size, 16 rows x 1 frame).
 Blocks that large glibc either maps fresh from the OS, or, once its adaptive thresholds have
 risen, returns to it whenever the free top of the heap outgrows twice the largest block seen. So
-every call page-faults its activations in again: measured 8,600-10,200 minor faults per call,
-10-15% of its time (docs/benchmarks.md). With blocks up to glibc's largest mmap threshold (32 MB)
-served from the heap and the heap never trimmed below 512 MB, the same calls fault 0 times.
+every call page-faults its activations in again: 8,600-10,200 minor faults per call, 10-15% of its
+time (bench/results/cpu-2core-stages/README.md). With blocks up to glibc's largest mmap threshold
+(32 MB) served from the heap and the heap never trimmed below 512 MB, the same calls fault 0 times.
 
 The cost is that the process keeps its peak heap; the engine's peak is bounded by `max_active`.
 It is process-wide, so `EngineConfig.keep_freed_memory` turns it off for a process that minds.

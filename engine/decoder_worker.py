@@ -22,11 +22,11 @@ where the call would be expected to end after that stream runs dry (but no short
 per row-frame (`row_frame_s`): the stream's audio comes only at the end of the call, and a stream
 that starts meanwhile has little to play. A stream whose first frames the AR thread decoded (see
 below) counts too before its next latent comes: that latent may come while a call runs, and it must
-be decoded before the first frames have played. At full size, 16 streams on 2 cores, 64 turns a run:
-0-37 turns underran (median 11, nearly all at their third chunk) in 15 runs before, 0-15 (median 2)
-in 7 runs with it, at the same audio throughput. With playback pacing on (`paced`), when no stream
-is near an underrun, a call decodes at most `max_batch` row-frames (rows x frames: about one
-full-batch frame's time), and while new streams' first latents and frames are being computed
+be decoded before the first frames have played (without it, streams that had just started ran dry
+at their third chunk: bench/results/cpu-2core-epyc-avx512-issue16-call-deadline/). With playback
+pacing on (`paced`), when no stream is near an underrun, a call decodes at most `max_batch`
+row-frames (rows x frames: about one full-batch frame's time), and while new streams' first
+latents and frames are being computed
 (`first_frames_due`, set by the AR stage around an iteration that prefills one) the worker starts no
 such call at all: it waits, re-checking every `HOLD_RECHECK_S`, so that the AR thread finds a core
 free instead of sharing it with a long call of audio nobody needs yet. So a stream that has only its

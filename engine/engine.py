@@ -94,9 +94,8 @@ State = Literal["new", "running", "closing", "closed", "failed"]
 PACING_POLL_S = 0.02
 # When a generating row takes AR steps (`Engine._need`): latents not yet decoded, in decode
 # calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and under
-# which it is due; and the share of `lead_s` under which a paced row is due. Measured with the
-# 2M model on 2 AVX2 cores (c=48, as fast as possible): AR rows per step 11-12 -> 18-20, the AR
-# thread's CPU 0.67-0.70 -> 0.54-0.56 cores (bench/results/cpu-2core-ar-bursts/).
+# which it is due; and the share of `lead_s` under which a paced row is due. Bursts batch more
+# rows per step and leave the decoder more CPU (bench/results/cpu-2core-ar-bursts/).
 AHEAD_OF_DECODER_CALLS = 3
 DUE_DECODER_CALLS = 2
 DUE_LEAD_SHARE = 0.75
@@ -133,8 +132,8 @@ class EngineConfig:
     dtype: str = "auto"
     # Intra-op threads for torch (process-wide). None: the cores divided among the stages busy at
     # the moment (engine/thread_budget.py): half each while the AR and decoder stages both run
-    # (measured on 2 cores: 9.4 audio-s/s at 8 streams with one thread each against 6.6 with
-    # two; docs/benchmarks.md), all but one for a stage that starts alone (on 2 cores, one
+    # (one thread per stage on 2 cores: two oversubscribe them, bench/results/cpu-2core/), all
+    # but one for a stage that starts alone (on 2 cores, one
     # thread each whatever the load). 0 leaves torch's setting.
     torch_threads: int | None = None
     # Pad AR batches to these sizes so steps repeat a few shapes (for CUDA graph capture);
@@ -162,10 +161,9 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # positions per packed prefill pass
     # New streams per prefill pass while a stream that plays is near an underrun (under
     # `pacing.URGENT_S` ahead of its listener): a burst of them is prefilled in parts, with the
-    # playing streams' AR steps and decode calls between the parts. 64 streams starting at once
-    # (2M model, 2 cores): one 63-row pass and then its first frames, 150-250 ms, while the first
-    # stream had 160 ms of audio to play. With 16, c=64 held in 26 of 29 runs, against 4 of 9
-    # in one pass (docs/benchmarks.md).
+    # playing streams' AR steps and decode calls between the parts. In one pass, 64 streams
+    # starting at once (2M model, 2 cores) held the playing ones 150-250 ms, with 160 ms of
+    # audio each (bench/results/cpu-2core-epyc-avx512-burst-parts-ab/).
     max_prefill_rows_near_underrun: int = 16
     max_text_chars: int = 20_000  # per request
     max_frames: int | None = None  # per clause, on top of the model's own estimate
@@ -174,7 +172,8 @@ class EngineConfig:
     # Row-frames (rows x frames) per decode call, past which rows take fewer frames: a call is
     # not preemptible, and a stream that just started has only two frames (160 ms) to play
     # while it waits. 64 keeps a 2M-model call near 40 ms (64 x 4 took 150-300 ms); per
-    # row-frame a call costs about the same from 64 up (docs/benchmarks.md).
+    # row-frame a call costs about the same from 64 up
+    # (bench/results/cpu-2core-epyc-avx512-burst-parts-ab/).
     max_decode_row_frames: int = 64
     # Calls of one shape after which the CPU decoder replays it as a TorchScript trace, which
     # does not hold the GIL the AR thread needs (engine/models/pocket/traces.py); None: eager.

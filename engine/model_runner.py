@@ -329,7 +329,7 @@ class ModelRunner:
         """One part per core, of at least `DECODE_SPLIT_ROWS` rows each, whether or not the AR
         stage steps meanwhile: the decoder is the full-size model's bottleneck, and a part that
         shares the AR thread's core costs the AR stage less than the decoder gains from calls
-        that end sooner (docs/benchmarks.md, "Decode calls split while the AR stage steps")."""
+        that end sooner (bench/results/cpu-2core-epyc-avx512-issue16-call-deadline/)."""
         count = min(self.decode_parts, rows // DECODE_SPLIT_ROWS) or 1
         bounds = [rows * i // count for i in range(count + 1)]
         return [slice(a, b) for a, b in itertools.pairwise(bounds)]

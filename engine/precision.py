@@ -13,7 +13,7 @@
   activations, attention, the KV cache and the decoder's convolutions in float32. bf16 is not
   used for the transformers' linears: where it is emulated (AVX2) it is ~8-10x slower than
   float32, and where it is native int8 linears are still faster at decode-step row counts
-  (docs/benchmarks.md).
+  (bench/results/cpu-2core-stages/README.md).
   Elsewhere: float32, as before.
 """
 

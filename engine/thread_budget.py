@@ -3,17 +3,16 @@
 The AR stage and the decoder run on two Python threads. Fixed at half the cores each, a stage
 that runs alone (the decoder catching up after the AR side finished its requests, or a prefill
 while nothing decodes) leaves half the machine idle; at all the cores each, two busy stages
-oversubscribe it (measured on 2 cores: 148 vs 116 frames/s at batch 8,
-bench/results/cpu-2core/profile.md). So every stage call counts itself busy here and, as it
-starts, sets its own thread's count (torch's count is per thread, OpenMP's) to the cores divided
-among the busy stages, all but one when it starts alone: the slower stage, busy more often
+oversubscribe it (bench/results/cpu-2core/README.md). So every stage call counts itself busy here
+and, as it starts, sets its own thread's count (torch's count is per thread, OpenMP's) to the cores
+divided among the busy stages, all but one when it starts alone: the slower stage, busy more often
 alone, gets the spare cores. (On 2 cores that is one thread each, whatever the load.)
 
 A decode batch of enough rows runs as one part per core on threads of its own
 (`ModelRunner.decode_step`), each part counted busy like a stage. So when the AR stage idles the
-decoder has every core (measured on 2 cores, closed loop, full size, 8 and 16 streams: 8.4 and 9.9
-audio-s/s against 6.4 and 7.0 unsplit); while it steps, a part shares its core, which trades AR
-steps for decoded frames (docs/benchmarks.md, "Decode calls split while the AR stage steps").
+decoder has every core; while it steps, a part shares its core, which trades AR steps for
+decoded frames, worth it where the decoder is the bottleneck
+(bench/results/cpu-2core-epyc-avx512-issue16-call-deadline/README.md).
 """
 
 from __future__ import annotations

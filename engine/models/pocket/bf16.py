@@ -6,7 +6,7 @@ AVX-512 BF16 (or AMX) oneDNN's bf16 GEMM also does twice the multiplications per
 Measured on one AVX-512 BF16 core (2-core AMD EPYC, one thread, min of 30): the full-size flow
 head took 4.20 / 6.27 / 8.42 ms at 1 / 8 / 16 rows in float32, 3.99 / 4.88 / 5.98 ms this way.
 int8 is not used there: its error fails the fast path's tolerance at temperature 0 (0.83 dB mean
-log-spectral distance, docs/benchmarks.md), bf16's does not.
+log-spectral distance, bench/results/cpu-2core-stages/README.md), bf16's does not.
 
 The GEMM's operands and its output are rounded to bf16 (it accumulates in float32); the bias,
 norms, activations and residual sums stay float32.

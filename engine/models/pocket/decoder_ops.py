@@ -3,9 +3,8 @@ registered as `torch.ops.intone.*`), where this machine can build them; torch's 
 elsewhere.
 
 They are operators rather than ctypes calls because the decoder runs as TorchScript traces
-(traces.py), which record registered operators and replay them without the GIL. Measured on one
-core of the 2-core AMD EPYC (AVX-512), against the torch path they replace (docs/benchmarks.md):
-see `decoder_ops.cpp` for what each saves and why.
+(traces.py), which record registered operators and replay them without the GIL. What each saves
+against the torch path: bench/results/cpu-2core-stages/README.md; why: `decoder_ops.cpp`.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
  * Why a kernel: torch runs this step as two batched matrix-vector products per layer (one per
  * row and head: 256 of them at 16 rows, 16 heads), a softmax over padded scores and a bias add.
  * At 16 rows and 150 positions that read the lanes at a third of the memory bandwidth, and it
- * was 42% of a full-size AR step (docs/benchmarks.md). Here each (row, KV head) streams its keys
- * once and its values once, up to the row's own length (no padding, no mask), and the query
- * heads of a group share those reads.
+ * was 42% of a full-size AR step (bench/results/cpu-2core-stages/README.md). Here each (row, KV
+ * head) streams its keys once and its values once, up to the row's own length (no padding, no
+ * mask), and the query heads of a group share those reads.
  *
  * Built without -ffast-math: the `omp simd` pragmas are what allow the reductions to vectorise,
  * and exp_nonpositive is written out so the softmax loop vectorises too.
