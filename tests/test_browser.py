@@ -25,10 +25,20 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from test_server_support import LONG_TEXT, idle_pages, running_server, wait_engine_idle
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from test_server_support import (
+    LONG_TEXT,
+    TEST_SETTINGS,
+    ServerThread,
+    idle_pages,
+    make_engine,
+    running_server,
+    wait_engine_idle,
+)
 from websockets.asyncio.client import connect
 
-from intone.provider.server import ServerSettings
+from intone.provider.server import ServerSettings, create_app
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -583,3 +593,92 @@ async def test_demo_page_uploads_records_and_deletes_voices(
                 assert cdp.exceptions == [], cdp.exceptions
                 cdp.reader.cancel()
         await wait_engine_idle(engine, pages)
+
+
+LOAD_FIGURES = """(() => {
+  const f = window.intone.loadFigures, text = (id) => document.getElementById(id).textContent;
+  return { previous: f.previous, current: f.current, seconds: f.seconds,
+           shown: { aps: text('load-aps'), rows: text('load-rows'), margin: text('load-margin'),
+                    perStream: text('load-rtf'), underruns: text('load-underruns'),
+                    open: text('load-open') },
+           underruns: window.intone.load.underruns, open: window.intone.load.open };
+})()"""
+
+
+def expected_load_figures(previous: dict, current: dict, seconds: float) -> dict[str, str]:
+    """The load panel's figures from two /stats snapshots, as the page must show them."""
+    a, b = previous["engine"], current["engine"]
+    steps = b["generate_batches"] - a["generate_batches"]
+    rows = b["generate_batch_mean"] * b["generate_batches"]
+    rows -= a["generate_batch_mean"] * a["generate_batches"]
+    audio = max(0.0, b["audio_seconds"] - a["audio_seconds"]) / seconds
+    lead = b["stream_lead_seconds"].get("0")
+    return {
+        "aps": f"{audio:.2f}",
+        "rows": f"{rows / steps:.2f}" if steps > 0 else "–",
+        "margin": "–" if lead is None else f"{lead:.2f}",
+        "perStream": f"{audio / b['streams_open']:.2f}" if b["streams_open"] else "–",
+    }
+
+
+async def test_demo_page_load_panel_behind_a_prefix(chromium_path, tiny_checkpoint, tmp_path):
+    """Mounted at /tts with API keys: the load panel opens N paced streams over the page's own
+    connections and its figures are the ones /stats reports; closing them leaves nothing."""
+    engine = make_engine(tiny_checkpoint, lead_s=1.0)
+    tts = create_app(engine, settings=ServerSettings(**{**TEST_SETTINGS, "api_keys": ("k",)}))
+    outer = Starlette(routes=[Mount("/tts", app=tts)])
+    server = ServerThread(outer).start()
+    stats_url, auth = f"{server.url}/tts/stats", {"authorization": "Bearer k"}
+    try:
+        pages = idle_pages(engine)
+        with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
+            async with connect(browser_url, max_size=2**26) as ws:
+                cdp = Cdp(ws)
+                page = await open_page(cdp, f"{server.url}/tts/?key=k")
+                assert await cdp.evaluate(page, "window.intone.weights") == "generated"
+                await cdp.evaluate(page, "document.getElementById('load-n').value = '6'")
+                await cdp.click(page, "load-start")
+                # Six streams on two connections (at most 4 a connection here), generating.
+                await cdp.wait_for(page, "window.intone.load.open === 6")
+                await cdp.wait_for(
+                    page,
+                    "(() => { const f = window.intone.loadFigures; return f &&"
+                    " f.current.engine.streams_open >= 3 && f.audioPerS > 0 &&"
+                    " f.rowsPerStep !== null; })()",
+                    timeout=20,
+                )
+                await asyncio.sleep(2.5)  # a few polls in, for the chart
+                seen = await cdp.evaluate(page, LOAD_FIGURES)
+                expected = expected_load_figures(seen["previous"], seen["current"], seen["seconds"])
+                assert {k: seen["shown"][k] for k in expected} == expected
+                assert seen["shown"]["underruns"] == str(seen["underruns"])
+                assert seen["shown"]["open"] == str(seen["open"]) == "6"
+                # The snapshots the page shows are the server's: its counters only grow after.
+                now = httpx.get(stats_url, headers=auth).json()
+                for key in ("audio_seconds", "generate_batches", "requests_completed"):
+                    assert now["engine"][key] >= seen["current"]["engine"][key]
+                assert seen["current"]["engine"]["audio_seconds"] > 0
+                assert (
+                    now["engine"]["kv_pages_total"] == seen["current"]["engine"]["kv_pages_total"]
+                )
+                assert seen["current"]["server"]["connections"] >= 3  # the page's own three
+                await screenshot(cdp, page, "panel-load", screenshot_folder(tmp_path))
+
+                await cdp.click(page, "load-stop")
+                await cdp.wait_for(page, "window.intone.load.open === 0")
+                await wait_engine_idle(engine, pages)
+                # Once idle, the page's latest snapshot and /stats agree on what finished.
+                final = httpx.get(stats_url, headers=auth).json()["engine"]
+                finished = final["requests_completed"] + final["requests_cancelled"]
+                await cdp.wait_for(
+                    page,
+                    "(() => { const e = window.intone.lastStats.engine;"
+                    f" return e.requests_completed + e.requests_cancelled === {finished}"
+                    " && e.active_requests === 0; })()",
+                )
+                assert cdp.exceptions == [], cdp.exceptions
+                cdp.reader.cancel()
+        await wait_engine_idle(engine, pages)
+    finally:
+        server.stop()
+        engine.close()
