@@ -490,6 +490,12 @@ async def test_demo_page_voice_picker(chromium_path, tiny_checkpoint, tmp_path):
                     await cdp.evaluate(page, "document.getElementById('voice').value")
                     == (health["default_voice"])
                 )
+                # No build step, nothing from elsewhere: every resource is the server's own.
+                origins = await cdp.evaluate(
+                    page,
+                    "performance.getEntriesByType('resource').map((r) => new URL(r.name).origin)",
+                )
+                assert set(origins) <= {server.url}
                 managed = await cdp.evaluate(
                     page, "getComputedStyle(document.getElementById('voice-manage')).display"
                 )
