@@ -601,8 +601,11 @@ async def test_demo_page_uploads_records_and_deletes_voices(
         await wait_engine_idle(engine, pages)
 
 
+# The load panel as shown, with the two /stats snapshots behind it; null until every figure
+# has a value (a stream generating between the two polls).
 LOAD_FIGURES = """(() => {
   const f = window.intone.loadFigures, text = (id) => document.getElementById(id).textContent;
+  if (!f || f.margin === null || f.rowsPerStep === null || f.perStream === null) return null;
   return { previous: f.previous, current: f.current, seconds: f.seconds,
            shown: { aps: text('load-aps'), rows: text('load-rows'), margin: text('load-margin'),
                     perStream: text('load-rtf'), underruns: text('load-underruns'),
@@ -611,20 +614,26 @@ LOAD_FIGURES = """(() => {
 })()"""
 
 
-def expected_load_figures(previous: dict, current: dict, seconds: float) -> dict[str, str]:
-    """The load panel's figures from two /stats snapshots, as the page must show them."""
+def expected_load_figures(previous: dict, current: dict, seconds: float) -> dict[str, float | None]:
+    """The load panel's figures from two /stats snapshots (None: shown as a dash)."""
     a, b = previous["engine"], current["engine"]
     steps = b["generate_batches"] - a["generate_batches"]
     rows = b["generate_batch_mean"] * b["generate_batches"]
     rows -= a["generate_batch_mean"] * a["generate_batches"]
     audio = max(0.0, b["audio_seconds"] - a["audio_seconds"]) / seconds
-    lead = b["stream_lead_seconds"].get("0")
     return {
-        "aps": f"{audio:.2f}",
-        "rows": f"{rows / steps:.2f}" if steps > 0 else "–",
-        "margin": "–" if lead is None else f"{lead:.2f}",
-        "perStream": f"{audio / b['streams_open']:.2f}" if b["streams_open"] else "–",
+        "aps": audio,
+        "rows": rows / steps if steps > 0 else None,
+        "margin": b["stream_lead_seconds"].get("0"),
+        "perStream": audio / b["streams_open"] if b["streams_open"] else None,
     }
+
+
+def shown_as(text: str, value: float | None) -> bool:
+    """The page shows `value` to two decimals (toFixed rounds ties up, Python to even)."""
+    if value is None:
+        return text == "–"
+    return abs(float(text) - value) <= 0.005 + 1e-9
 
 
 async def test_demo_page_load_panel_behind_a_prefix(chromium_path, tiny_checkpoint, tmp_path):
@@ -654,9 +663,10 @@ async def test_demo_page_load_panel_behind_a_prefix(chromium_path, tiny_checkpoi
                     timeout=20,
                 )
                 await asyncio.sleep(2.5)  # a few polls in, for the chart
-                seen = await cdp.evaluate(page, LOAD_FIGURES)
+                seen = await cdp.wait_for(page, LOAD_FIGURES)
                 expected = expected_load_figures(seen["previous"], seen["current"], seen["seconds"])
-                assert {k: seen["shown"][k] for k in expected} == expected
+                for name, value in expected.items():
+                    assert shown_as(seen["shown"][name], value), (name, seen["shown"], expected)
                 assert seen["shown"]["underruns"] == str(seen["underruns"])
                 assert seen["shown"]["open"] == str(seen["open"]) == "6"
                 # The snapshots the page shows are the server's: its counters only grow after.
