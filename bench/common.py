@@ -47,8 +47,8 @@ def fast_engine_options(device: str = "cpu") -> dict:
         options["dtype"] = "bfloat16"
     if "torch_threads" in fields and device == "cpu":
         # The engine's AR and decoder threads each run torch ops at once: with torch's default
-        # (all cores each) they oversubscribe the cores. Half each: on 2 cores, measured
-        # 9.3 -> 10.9 audio-s/s at 8 streams and 3.7 -> 4.2 at 1 (bf16; fp32: 6.7 -> 8.4).
+        # (all cores each) they oversubscribe the cores, so half each
+        # (bench/results/cpu-2core/README.md).
         options["torch_threads"] = max(1, (os.cpu_count() or 2) // 2)
     return options
 

@@ -264,10 +264,9 @@ ROWS = "transformer.rows"
 
 # The SEANet runs on groups of rows whose widest activation (samples x channels, at the last
 # upsampling stage) holds about this many values, so that a layer's output is still in cache
-# when the next layer reads it. Measured on one AVX2 core (bench/stages.py --decoders, int8
-# transformer, min of 8 interleaved calls): 16 rows x 4 frames, per row-frame, 8.04 -> 6.81 ms
-# at full size and 1.63 -> 1.50 ms for the 2M decoder; 8 x 4 and 16 x 1 are one group either
-# way. Much smaller groups lose it again to the per-call overhead of the many small layers.
+# when the next layer reads it: a large call then costs no more per row-frame than a small one
+# (bench/results/cpu-2core-stages/README.md). Much smaller groups lose it again to the per-call
+# overhead of the many small layers.
 SEANET_GROUP_VALUES = 1 << 20
 
 
