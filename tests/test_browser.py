@@ -19,8 +19,9 @@ import time
 from typing import Any
 
 import pytest
-from test_server_support import LONG_TEXT, idle_pages, running_server, wait_engine_idle
 from websockets.asyncio.client import connect
+
+from support.server import LONG_TEXT, idle_pages, running_server, wait_engine_idle
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

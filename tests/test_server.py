@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from test_server_support import (
+from websockets.asyncio.client import connect
+
+from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
+from intone.provider.server.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
+
+from support.server import (
     LONG_TEXT,
     idle_pages,
     recv_event,
@@ -22,10 +27,6 @@ from test_server_support import (
     wait_engine_idle,
     wait_server_streams,
 )
-from websockets.asyncio.client import connect
-
-from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
-from intone.provider.server.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
 
 SEED = {"seed": 7}
 
