@@ -2,9 +2,9 @@
 configuration for this CPU, engine/precision.py) and `dtype="bfloat16"` with torch's threads
 halved between the two stages, as the benchmark's `batched-fast` runs it.
 
-Reduced precision can't hold the float32 equivalence tolerance (1e-4 relative, test_oracle.py),
-so the fast path has its own, against the float32 single-request path on the same request
-(same seed, same noise, EOS off so the lengths match):
+Reduced precision can't hold the float32 equivalence tolerance (1e-4 relative,
+tests/models/test_oracle.py), so the fast path has its own, against the float32 single-request
+path on the same request (same seed, same noise, EOS off so the lengths match):
 
 - relative RMS error of the waveform:           ||fast - fp32|| / ||fp32|| <= 5e-3
 - per-frame log-spectral distance (1920-sample frames, Hann window, dB): mean <= 0.5, max <= 1.5

@@ -578,7 +578,7 @@ async def test_example_agent_speaks_offline(
 def load_example(name: str):
     import importlib.util
 
-    path = Path(__file__).parent.parent / "agents_examples" / f"{name}.py"
+    path = Path(__file__).parents[2] / "agents_examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -333,7 +333,7 @@ async def test_example_bot_over_a_websocket(engine: Engine, tiny_checkpoint: Pat
     import importlib.util
     import wave
 
-    path = Path(__file__).parent.parent / "agents_examples" / "pipecat_bot.py"
+    path = Path(__file__).parents[2] / "agents_examples" / "pipecat_bot.py"
     spec = importlib.util.spec_from_file_location("example_pipecat_bot", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
