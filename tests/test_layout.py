@@ -84,6 +84,17 @@ def test_benchmarks_do_not_import_the_tests() -> None:
     assert not wrong, f"bench/ modules importing the tests: {wrong}"
 
 
+def test_test_module_names_are_unique_across_folders() -> None:
+    """pytest imports a test file of a folder without `__init__.py` by its bare name (the default
+    `prepend` import mode): two files of one name in two folders would collide."""
+    seen: dict[str, list[str]] = {}
+    for path in sources(TESTS):
+        if path.name != "conftest.py" and path.parent.name != HELPERS:
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    duplicates = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not duplicates, f"rename one of each: {duplicates}"
+
+
 @pytest.mark.parametrize(
     ("source", "names"),
     [
