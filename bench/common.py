@@ -36,8 +36,9 @@ UNDERRUN_SLACK_S = 0.1
 def fast_engine_options(device: str = "cpu") -> dict:
     """The EngineConfig fields of the engine's fastest path on `device`: the one place that says so.
 
-    `batched-fast` and the fast-path test read this; it only names options this intone version has,
-    so it is empty (batched-fast == batched) until the engine grows them.
+    `batched-fast` and stages.py read this (tests/engine/test_fast_path.py states the same
+    bfloat16 configuration for itself); it only names options this intone version has, so it is
+    empty (batched-fast == batched) until the engine grows them.
     """
     from intone.engine import EngineConfig
 

@@ -1,6 +1,6 @@
 """`intone serve --ray`: two Ray Serve replicas of the tiny checkpoint on a local Ray cluster.
 
-Opt-in (marker `ray`): `pytest -m ray tests/test_ray_serve.py`. The unmarked tests at the top
+Opt-in (marker `ray`): `pytest -m ray tests/server/test_ray_serve.py`. The unmarked tests at the top
 (limits, autoscaling policy, the KubeRay manifest) need Ray installed but no cluster.
 
 Each replica: max_active 8, 2 streams per connection, so Ray admits 4 connections per replica
@@ -39,7 +39,7 @@ from intone.provider.server.ray_serve import (  # noqa: E402
 from intone.provider.server.serve import ServeOptions  # noqa: E402
 from intone.provider.server.settings import ServerSettings  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "docs" / "deploy" / "rayservice.yaml"
 STREAMS_PER_CONNECTION = 2
 MAX_ACTIVE = 8

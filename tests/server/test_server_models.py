@@ -11,13 +11,14 @@ import openai
 import pytest
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_support import TEST_SETTINGS, ServerThread, make_engine, recv_event, send
 
 from intone.engine import UnknownModelError
 from intone.provider.client import IntoneClient, IntoneError
 from intone.provider.server import ServerSettings, create_app
 from intone.provider.server.runtime import Runtime, ServedModel, _names
 from intone.provider.server.voices import VoiceResolver
+
+from support.server import TEST_SETTINGS, ServerThread, make_engine, recv_event, send
 
 TEXT = "Two models, one server."
 

@@ -9,58 +9,16 @@ import pytest
 import safetensors.torch
 import torch
 
-from intone.engine.generate import generate, generate_latents
+from intone.engine.generate import generate_latents
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.models.pocket.config import dump_config, load_config
 from intone.engine.options import GenerationOptions
 from intone.engine.voices import Voice, load_voice
 
+from support.engine import NO_EOS
+from support.oracle import Reference, ours, relative_error
+
 TEXT = "Hello world, this is a quick test of the streaming system."
-NO_EOS = 1e9
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).norm() / ref.norm())
-
-
-class Reference:
-    """pocket_tts at temperature 0, recording every latent it samples."""
-
-    def __init__(self, checkpoint: Path, eos_threshold: float):
-        from pocket_tts import TTSModel
-
-        self.model = TTSModel.load_model(
-            config=str(checkpoint / "config.yaml"), temp=0.0, eos_threshold=eos_threshold
-        )
-        self.latents: list[torch.Tensor] = []
-        sample = self.model.flow_lm._sample_next_latent
-
-        def recording(sequence: torch.Tensor, *args, **kwargs):
-            out = sample(sequence, *args, **kwargs)
-            if sequence.shape[1] == 1:  # generation steps, not prompt prefills
-                self.latents.append(out[0].clone())
-            return out
-
-        self.model.flow_lm._sample_next_latent = recording
-
-    def run(self, wav: Path, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.model.get_state_for_audio_prompt(wav)
-        audio = self.model.generate_audio(state, text)
-        return torch.cat(self.latents), audio
-
-
-def ours(
-    loaded: LoadedModel, voice: Voice, text: str, eos_threshold: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # The reference reads the text as written: spoken-form normalisation is ours alone.
-    options = GenerationOptions(
-        temperature=0.0, eos_threshold=eos_threshold, chain_frames=0, normalize=False
-    )
-    latents = torch.stack(
-        [latent for _, latent in generate_latents(loaded, voice, [text], options)]
-    )
-    audio = torch.cat(list(generate(loaded, voice, [text], options)))
-    return latents, audio
 
 
 def check_equal(checkpoint: Path, loaded: LoadedModel, voice: Voice) -> None:

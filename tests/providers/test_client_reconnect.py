@@ -14,11 +14,12 @@ import dataclasses
 import time
 
 import pytest
-from test_server_support import running_server
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from intone.provider.client import IntoneClient, IntoneConnectionError
+
+from support.server import running_server
 
 
 class Relay:

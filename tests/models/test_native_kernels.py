@@ -1,7 +1,7 @@
 """C kernels built on this machine (engine/native.py) and the decode attention in C
 (engine/models/pocket/lane_kernel.py): the cache, the fallback to torch where nothing builds,
 and the checks that keep a bad call from reading past the lanes. That the kernel equals the
-torch path is tests/test_paged_attention.py's `lane_kernel` cases."""
+torch path is tests/models/test_paged_attention.py's `lane_kernel` cases."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import uvicorn
 from livekit import rtc
 from livekit.agents import (
     Agent,
@@ -38,6 +37,8 @@ from livekit.plugins import intone
 from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.provider import registry
 from intone.provider.server import create_app
+
+from support.server import serving
 
 # Clauses of a fixed length (random weights never hit EOS at this threshold): short, known audio.
 FAST = {"eos_threshold": 1e9, "max_frames": 8}
@@ -180,23 +181,10 @@ def engine(tiny_checkpoint: Path):
 
 @pytest.fixture(scope="module")
 def server_url(engine: Engine):
-    """`intone serve`'s app on a free loopback port, on a thread of its own, over the module's
-    engine (so the tests can watch the engine the server uses)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(engine), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield f"ws://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    """`intone serve`'s app over the module's engine (so the tests can watch the engine the
+    server uses)."""
+    with serving(create_app(engine)) as url:
+        yield url
 
 
 @pytest.fixture
@@ -590,7 +578,7 @@ async def test_example_agent_speaks_offline(
 def load_example(name: str):
     import importlib.util
 
-    path = Path(__file__).parent.parent / "agents_examples" / f"{name}.py"
+    path = Path(__file__).parents[2] / "agents_examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_server_support import running_server
+
+from support.server import running_server
 
 TEXT = "Hello from intone. This is a framework test."
 

@@ -6,14 +6,10 @@ an in-process `intone serve`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 from pipecat.frames.frames import (
     ErrorFrame,
     Frame,
@@ -49,6 +45,8 @@ from intone.provider import registry
 from intone.provider.backends import engine_options
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
+
+from support.server import serving
 
 FAST_FIELDS = {"eos_threshold": 1e9, "max_frames": 8}
 FAST = IntoneTTSService.Settings(**FAST_FIELDS)
@@ -104,27 +102,6 @@ def engine(tiny_checkpoint: Path):
 def pages_at_idle(engine: Engine) -> int:
     assert engine.is_idle()
     return engine.metrics()["kv_pages_in_use"]
-
-
-@contextlib.contextmanager
-def serving(app):
-    """An ASGI app on a free loopback port, on a thread of its own; yields its ws:// URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"ws://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -356,7 +333,7 @@ async def test_example_bot_over_a_websocket(engine: Engine, tiny_checkpoint: Pat
     import importlib.util
     import wave
 
-    path = Path(__file__).parent.parent / "agents_examples" / "pipecat_bot.py"
+    path = Path(__file__).parents[2] / "agents_examples" / "pipecat_bot.py"
     spec = importlib.util.spec_from_file_location("example_pipecat_bot", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -14,25 +14,21 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import test_engine
-import test_engine_faults as faults
 import torch
-from test_engine import TEXTS, Reference, options, rel_rms, run_request, voice_pages, wait_idle
 
 from intone.engine import EngineFailedError
 from intone.engine.block_manager import BlockManager
 from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import ModelRunner
 
+from support import faults
+from support.engine import TEXTS, Reference, options, rel_rms, run_request, voice_pages, wait_idle
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-make_engine = test_engine.make_engine
-reference = test_engine.reference
-voices = test_engine.voices
-second_voice_wav = test_engine.second_voice_wav
 
 # The device's kernels differ from the CPU's in rounding; the CPU suite uses 1e-4.
 MAX_REL_RMS = 2e-3

@@ -12,11 +12,12 @@ import time
 
 import httpx
 import pytest
-from test_server_support import LONG_TEXT, recv_event, send
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from intone.provider.protocol import unpack_audio
+
+from support.server import LONG_TEXT, recv_event, send
 
 DRAIN_TIMEOUT = 3.0
 

@@ -19,7 +19,14 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server_support import (
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from intone.provider.client import IntoneClient, IntoneError
+from intone.provider.protocol import STREAM_OPTIONS
+from intone.provider.server import ServerSettings, create_app
+
+from support.server import (
     LONG_TEXT,
     ServerThread,
     idle_pages,
@@ -30,12 +37,6 @@ from test_server_support import (
     wait_engine_idle,
     wait_server_streams,
 )
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
-
-from intone.provider.client import IntoneClient, IntoneError
-from intone.provider.protocol import STREAM_OPTIONS
-from intone.provider.server import ServerSettings, create_app
 
 BIG = "__5000_digits__"  # replaced by a 5000-digit integer literal (json.dumps cannot write one)
 FAST = {"max_frames": 6}

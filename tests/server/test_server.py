@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
-from test_server_support import (
+from websockets.asyncio.client import connect
+
+from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
+from intone.provider.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
+
+from support.server import (
     LONG_TEXT,
     idle_pages,
     recv_event,
@@ -22,10 +27,6 @@ from test_server_support import (
     wait_engine_idle,
     wait_server_streams,
 )
-from websockets.asyncio.client import connect
-
-from intone.provider.client import IntoneClient, IntoneConnectionError, IntoneError, ws_url
-from intone.provider.protocol import HEADER_BYTES, ClauseDoneEvent, unpack_audio
 
 SEED = {"seed": 7}
 
@@ -287,7 +288,7 @@ async def test_streams_without_text_do_not_block_others(server, engine):
 async def test_the_example_client(server, tmp_path):
     """agents_examples/websocket_client.py, as a user runs it: text from stdin, word by word,
     into a WAV; a refused option is one line on stderr, not a traceback."""
-    example = Path(__file__).parent.parent / "agents_examples" / "websocket_client.py"
+    example = Path(__file__).parents[2] / "agents_examples" / "websocket_client.py"
     out = tmp_path / "out.wav"
 
     async def run(*args: str, stdin: bytes = b"") -> tuple[int, str, str]:

@@ -13,13 +13,13 @@ from livekit.plugins.intone.models import TTSModels
 from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
 from pipecat.tests.utils import run_test
 from pipecat.transcriptions.language import Language
-from test_pipecat import serving
-from test_server_support import make_engine
 
 from intone.engine import UnknownModelError, releases
 from intone.provider import registry
 from intone.provider.pipecat import IntoneTTSService
 from intone.provider.server import create_app
+
+from support.server import make_engine, serving
 
 FAST = dict(eos_threshold=1e9, max_frames=6)
 NO_RETRY = APIConnectOptions(max_retry=0)

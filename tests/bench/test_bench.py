@@ -9,7 +9,7 @@ from pathlib import Path
 
 from intone.engine import native
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):

@@ -1,9 +1,8 @@
 """The CPU decoder's operators in C++ (engine/models/pocket/decoder_ops.cpp): each equals the
 torch path it replaces, the ring attention reads only the slots a query may see, bad calls are
 refused, and where no C++ compiler works the decoder keeps its torch path (the engine's switch,
-`native_kernels`, is tests/test_native_kernels.py's). That the whole
-decoder with them equals `Mimi.decode`, eager and traced, is tests/test_mimi.py's `native`
-cases."""
+`native_kernels`, is tests/models/test_native_kernels.py's). That the whole decoder with them
+equals `Mimi.decode`, eager and traced, is tests/models/test_mimi.py's `native` cases."""
 
 from __future__ import annotations
 

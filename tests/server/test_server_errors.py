@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_server_support import recv_event, recv_until, running_server, send
 from websockets.asyncio.client import connect
 
 from intone.provider.client import IntoneClient
+
+from support.server import recv_event, recv_until, running_server, send
 
 
 @pytest.fixture(scope="module")

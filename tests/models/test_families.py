@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_oracle import NO_EOS, Reference, ours, relative_error
 
 from intone.engine import AudioChunk, Engine, EngineConfig
 from intone.engine.checkpoint import TINY_FAMILIES, make_checkpoint
@@ -25,6 +24,9 @@ from intone.engine.options import GenerationOptions
 from intone.engine.releases import language_of
 from intone.engine.text import split_clauses
 from intone.engine.voices import load_voice
+
+from support.engine import NO_EOS
+from support.oracle import Reference, ours, relative_error
 
 MAX_REL = 1e-4
 TEXTS = {

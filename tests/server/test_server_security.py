@@ -11,7 +11,17 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_support import (
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from intone.provider.client import IntoneClient, IntoneError
+from intone.provider.protocol import SUBPROTOCOL, CloseCode
+from intone.provider.server import ServerSettings, create_app
+from intone.provider.server.access import Access, websocket_key
+from intone.provider.server.limits import LimitError, Limits
+from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
+
+from support.server import (
     LONG_TEXT,
     ServerThread,
     idle_pages,
@@ -22,15 +32,6 @@ from test_server_support import (
     send,
     wait_engine_idle,
 )
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
-
-from intone.provider.client import IntoneClient, IntoneError
-from intone.provider.protocol import SUBPROTOCOL, CloseCode
-from intone.provider.server import ServerSettings, create_app
-from intone.provider.server.access import Access, websocket_key
-from intone.provider.server.limits import LimitError, Limits
-from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
 
 KEYS = ("alpha-key-1", "beta-key-2")
 SPEECH = {"input": "Hi there.", "voice": "alloy", "response_format": "pcm"}

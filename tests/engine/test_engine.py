@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,272 +26,45 @@ from intone.engine import (
     AudioChunk,
     ClauseDone,
     EmptyTextError,
-    Engine,
     EngineClosedError,
-    EngineConfig,
     EngineFullError,
     InvalidOptionError,
     InvalidTextError,
-    Stream,
     StreamClosedError,
     TextTooLongError,
     UnknownVoiceError,
 )
-from intone.engine.generate import fade_in, generate, generate_latents
-from intone.engine.loading import LoadedModel, load_model
+from intone.engine.generate import fade_in, generate_latents
+from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import LANE_PREFAULT_POSITIONS
 from intone.engine.options import GenerationOptions, plan_clause
 from intone.engine.stream import PUSH_PIECE_CHARS
-from intone.engine.text import split_clauses
-from intone.engine.voices import Voice, load_voice
+from intone.engine.voices import Voice
 
-NO_EOS = 1e9
-TIMEOUT = 20.0  # seconds for anything that should take well under one
-IDLE_TIMEOUT = 5.0
-MAX_REL_RMS = 1e-4
-SECOND_VOICE = "second"
-TEXTS = [
-    "Hi there.",  # 1 clause
-    "Hello world, this is a test.",  # 2 clauses
-    "The quick brown fox jumps over the lazy dog. It was a sunny day, and everyone was happy.",
-    "One more sentence here. Then another one comes along, with a comma.",  # 3 clauses
-]
+from support.engine import (
+    SECOND_VOICE,
+    TEXTS,
+    TIMEOUT,
+    Outcome,
+    Reference,
+    assert_audio_prefix,
+    assert_same_audio,
+    cancel_and_drain,
+    check_outcome,
+    drain,
+    options,
+    run_request,
+    slow_decoder,
+    voice_pages,
+    wait_idle,
+    wait_idle_sync,
+)
+
 # One clause of 44 tokens: the model's own frame estimate for it is 209 frames.
 LONG_CLAUSE = (
     "The quick brown fox jumps over the lazy dog while the small cat sleeps by the warm fire "
     "in the old house near the river"
 )
-
-
-def options(
-    seed: int,
-    temperature: float = 0.0,
-    chain_frames: int = 4,
-    max_frames: int | None = 12,
-    **kwargs,
-) -> GenerationOptions:
-    return GenerationOptions(
-        temperature=temperature,
-        eos_threshold=NO_EOS,
-        max_frames=max_frames,
-        seed=seed,
-        chain_frames=chain_frames,
-        **kwargs,
-    )
-
-
-def rel_rms(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-12))
-
-
-def assert_same_audio(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
-    assert got.shape == want.shape, f"{what}: {got.shape[0]} samples, single path {want.shape[0]}"
-    error = rel_rms(got, want)
-    assert error < MAX_REL_RMS, f"{what}: relative RMS error {error:.2e} against the single path"
-
-
-def assert_audio_prefix(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
-    """Audio of a cancelled request: what arrived is the start of the single path's audio."""
-    assert got.shape[0] <= want.shape[0], what
-    if got.shape[0]:
-        assert_same_audio(got, want[: got.shape[0]], what)
-
-
-# ---- fixtures
-
-
-@pytest.fixture(scope="module")
-def second_voice_wav(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default voice played 25% faster (so higher and shorter): a different prompt length."""
-    samples, rate = soundfile.read(str(tiny_checkpoint / "voices" / "default.wav"), dtype="float32")
-    path = tmp_path_factory.mktemp("voices") / "second.wav"
-    soundfile.write(str(path), samples, int(rate * 1.25))
-    return path
-
-
-@pytest.fixture(scope="module")
-def voices(tiny_model: LoadedModel, tiny_voice: Voice, second_voice_wav: Path) -> dict[str, Voice]:
-    second = load_voice(tiny_model.model, SECOND_VOICE, second_voice_wav)
-    assert second.length != tiny_voice.length
-    return {"default": tiny_voice, SECOND_VOICE: second}
-
-
-class Reference:
-    """The single-request path, cached: audio of (text, voice, options)."""
-
-    def __init__(self, loaded: LoadedModel, voices: dict[str, Voice]):
-        self.loaded = loaded
-        self.voices = voices
-        self.config = EngineConfig()
-        self._cache: dict[tuple, np.ndarray] = {}
-
-    def clauses(self, text: str) -> list[str]:
-        return split_clauses(
-            self.loaded.tokenizer,
-            text,
-            min_tokens=self.config.clause_min_tokens,
-            first_min_tokens=self.config.clause_first_min_tokens,
-            max_tokens=self.config.clause_max_tokens,
-        )
-
-    def audio(self, text: str, voice: str, opts: GenerationOptions) -> np.ndarray:
-        key = (text, voice, astuple(opts))
-        if key not in self._cache:
-            frames = list(
-                generate(self.loaded, self.voices[voice], self.clauses(text), replace(opts))
-            )
-            self._cache[key] = torch.cat(frames).numpy()
-        return self._cache[key]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: LoadedModel, voices: dict[str, Voice]) -> Reference:
-    return Reference(tiny_model, voices)
-
-
-@pytest.fixture
-def make_engine(tiny_checkpoint: Path, second_voice_wav: Path) -> Iterator[Callable[..., Engine]]:
-    """Engines on their own copy of the tiny model, with a second voice; closed at teardown."""
-    engines: list[Engine] = []
-
-    def make(second_voice: bool = True, **config) -> Engine:
-        config.setdefault("num_pages", 512)
-        # These tests hold the engine to the single path at 1e-4: float32, since the CPU default's
-        # int8 linears are held to the fast path's tolerance instead (test_fast_path.py).
-        config.setdefault("dtype", "float32")
-        engine = Engine(load_model(tiny_checkpoint), EngineConfig(**config)).start()
-        engines.append(engine)
-        if second_voice:
-            engine.add_voice(SECOND_VOICE, second_voice_wav)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
-
-
-# ---- helpers
-
-
-@dataclass
-class Outcome:
-    events: list = field(default_factory=list)
-    cancelled: bool = False
-    after_cancel: list = field(default_factory=list)  # events iterated after cancel() returned
-
-    @property
-    def chunks(self) -> list[AudioChunk]:
-        return [e for e in self.events if isinstance(e, AudioChunk)]
-
-    @property
-    def audio(self) -> np.ndarray:
-        chunks = [c.samples for c in self.chunks]
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-
-    @property
-    def clauses_done(self) -> list[ClauseDone]:
-        return [e for e in self.events if isinstance(e, ClauseDone)]
-
-
-async def drain(stream: Stream) -> list:
-    async with asyncio.timeout(TIMEOUT):
-        return [event async for event in stream]
-
-
-async def cancel_and_drain(stream: Stream, outcome: Outcome) -> None:
-    stream.cancel()
-    outcome.cancelled = True
-    outcome.after_cancel = await drain(stream)
-
-
-async def run_request(
-    engine: Engine,
-    text: str,
-    voice: str | None,
-    opts: GenerationOptions | None,
-    *,
-    delay: float = 0.0,
-    cancel_after: int | None = None,
-) -> Outcome:
-    """Submit after `delay`; cancel after `cancel_after` chunks (0: before any audio)."""
-    await asyncio.sleep(delay)
-    stream = engine.stream(voice, opts)
-    stream.push_text(text)
-    stream.end_input()
-    outcome = Outcome()
-    if cancel_after == 0:
-        await cancel_and_drain(stream, outcome)
-        return outcome
-    async with asyncio.timeout(TIMEOUT):
-        async for event in stream:
-            outcome.events.append(event)
-            if cancel_after is not None and len(outcome.chunks) >= cancel_after:
-                break
-    if cancel_after is not None and len(outcome.chunks) >= cancel_after:
-        await cancel_and_drain(stream, outcome)
-    return outcome
-
-
-def idle_problems(engine: Engine, voice_pages: int) -> dict:
-    m = engine.metrics()
-    wanted = {
-        "kv_pages_in_use": voice_pages,
-        "active_requests": 0,
-        "queued_requests": 0,
-        "decoder_states_in_use": 0,
-    }
-    problems = {k: m[k] for k, v in wanted.items() if m[k] != v}
-    if engine.blocks.reserved:
-        problems["reserved_pages"] = engine.blocks.reserved
-    return problems
-
-
-async def wait_idle(engine: Engine, voice_pages: int) -> None:
-    deadline = time.monotonic() + IDLE_TIMEOUT
-    while problems := idle_problems(engine, voice_pages):
-        if time.monotonic() > deadline:
-            pytest.fail(f"engine not idle after {IDLE_TIMEOUT}s: {problems}")
-        await asyncio.sleep(0.01)
-
-
-def wait_idle_sync(engine: Engine, voice_pages: int) -> None:
-    deadline = time.monotonic() + IDLE_TIMEOUT
-    while problems := idle_problems(engine, voice_pages):
-        if time.monotonic() > deadline:
-            pytest.fail(f"engine not idle after {IDLE_TIMEOUT}s: {problems}")
-        time.sleep(0.01)
-
-
-def voice_pages(engine: Engine) -> int:
-    """Pages the registered voices hold: the engine's floor when idle."""
-    return sum(
-        engine.blocks.pages_for(prefix.table.length) for prefix in engine.scheduler.voices.values()
-    )
-
-
-def slow_decoder(engine: Engine, seconds: float) -> None:
-    """Make every decode step take longer, like a busy accelerator: the AR stage runs ahead."""
-    decode = engine.runner.decode
-
-    def slow(slots, latents):
-        time.sleep(seconds)
-        return decode(slots, latents)
-
-    engine.runner.decode = slow
-
-
-def check_outcome(
-    outcome: Outcome, reference: Reference, text: str, voice: str, opts: GenerationOptions, what
-) -> None:
-    want = reference.audio(text, voice, opts)
-    if outcome.cancelled:
-        assert outcome.after_cancel == [], f"{what}: events after cancel(): {outcome.after_cancel}"
-        assert_audio_prefix(outcome.audio, want, what)
-    else:
-        assert_same_audio(outcome.audio, want, what)
-        done = outcome.clauses_done
-        assert [d.clause for d in done] == list(range(len(reference.clauses(text)))), what
-        assert [d.text for d in done] == reference.clauses(text), what
 
 
 # ---- equivalence

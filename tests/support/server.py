@@ -1,4 +1,4 @@
-"""Helpers for the server tests (no tests here): an in-process server on a free port.
+"""Helpers for the server and provider tests (no tests here): an in-process server on a free port.
 
 uvicorn runs in a background thread with its own event loop, so tests drive it from their own
 loops over real sockets, as any client would.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -181,3 +182,24 @@ async def recv_until(
 
 def send(ws: ClientConnection, **message: Any) -> Any:
     return ws.send(json.dumps(message))
+
+
+@contextlib.contextmanager
+def serving(app):
+    """An ASGI app on a free loopback port, on a thread of its own; yields its ws:// URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

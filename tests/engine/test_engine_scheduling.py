@@ -14,27 +14,12 @@ import time
 
 import numpy as np
 import pytest
-import test_engine
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_engine import (
-    TEXTS,
-    TIMEOUT,
-    AudioChunk,
-    ClauseDone,
-    Outcome,
-    Reference,
-    assert_same_audio,
-    check_outcome,
-    drain,
-    options,
-    run_request,
-    slow_decoder,
-    voice_pages,
-    wait_idle,
-)
 
 from intone.engine import (
+    AudioChunk,
+    ClauseDone,
     EngineFullError,
     IdleTimeoutError,
     InvalidOptionError,
@@ -47,10 +32,20 @@ from intone.engine.engine import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
 from intone.engine.sequence import Request
 
-make_engine = test_engine.make_engine
-reference = test_engine.reference
-voices = test_engine.voices
-second_voice_wav = test_engine.second_voice_wav
+from support.engine import (
+    TEXTS,
+    TIMEOUT,
+    Outcome,
+    Reference,
+    assert_same_audio,
+    check_outcome,
+    drain,
+    options,
+    run_request,
+    slow_decoder,
+    voice_pages,
+    wait_idle,
+)
 
 
 async def say_and_wait(engine, seed: int):

@@ -27,7 +27,11 @@ import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
-from test_server_support import (
+from websockets.asyncio.client import connect
+
+from intone.provider.server import ServerSettings, create_app
+
+from support.server import (
     LONG_TEXT,
     TEST_SETTINGS,
     ServerThread,
@@ -36,9 +40,6 @@ from test_server_support import (
     running_server,
     wait_engine_idle,
 )
-from websockets.asyncio.client import connect
-
-from intone.provider.server import ServerSettings, create_app
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

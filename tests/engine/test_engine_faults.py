@@ -19,11 +19,26 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import test_engine
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import (
+
+from intone.engine import (
+    AudioChunk,
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    EngineFailedError,
+    EngineFullError,
+    GenerationOptions,
+    InvalidOptionError,
+)
+from intone.engine.block_manager import BlockManager
+from intone.engine.loading import LoadedModel
+from intone.engine.model_runner import ModelRunner
+from intone.engine.options import option_names
+
+from support.engine import (
     SECOND_VOICE,
     TEXTS,
     TIMEOUT,
@@ -35,172 +50,19 @@ from test_engine import (
     voice_pages,
     wait_idle,
 )
-
-from intone.engine import (
-    AudioChunk,
-    Engine,
-    EngineClosedError,
-    EngineConfig,
-    EngineFailedError,
-    EngineFullError,
-    GenerationOptions,
-    InvalidOptionError,
-    Stream,
+from support.faults import (
+    CULPRIT,
+    STREAMS,
+    InjectedFault,
+    check_bystanders,
+    collect,
+    inject,
+    jobs,
+    open_streams,
+    push_all,
 )
-from intone.engine.block_manager import BlockManager
-from intone.engine.loading import LoadedModel
-from intone.engine.model_runner import ModelRunner
-from intone.engine.options import option_names
 
-# The equivalence suite's fixtures, shared.
-make_engine = test_engine.make_engine
-reference = test_engine.reference
-voices = test_engine.voices
-second_voice_wav = test_engine.second_voice_wav
-
-STREAMS = 6
-CULPRIT = 2
 FAIL_WITHIN = 1.0  # seconds for every open stream to end after an unrecoverable error
-
-
-class InjectedFault(Exception):
-    pass
-
-
-def involves(requests, culprit) -> bool:
-    return any(r is culprit for r in requests)
-
-
-def inject(engine, stage: str, culprit) -> dict:
-    """Make `stage` raise on every call involving the culprit from its `after`-th call on (so
-    the culprit has produced something first), batched calls and the row-by-row retry alike."""
-    counts = {"calls": 0, "raised": 0}
-    calls_before = {
-        "start_clause": 1,
-        "prefill": 1,
-        "ar_step": 3,
-        "noise": 3,
-        "decode": 2,
-        "first_frame": 0,  # it is the culprit's first audio: nothing comes before it
-    }
-    after = calls_before[stage]
-
-    def trip(involved: bool) -> None:
-        if involved:
-            counts["calls"] += 1
-            if counts["calls"] > after:
-                counts["raised"] += 1
-                raise InjectedFault(stage)
-
-    if stage == "start_clause":
-        start_clause = engine.scheduler.start_clause
-
-        def faulty_start(request):
-            trip(request is culprit)
-            return start_clause(request)
-
-        engine.scheduler.start_clause = faulty_start
-    elif stage == "prefill":
-        prefill = engine.runner.prefill
-
-        def faulty_prefill(requests, noise):
-            trip(involves(requests, culprit))
-            return prefill(requests, noise)
-
-        engine.runner.prefill = faulty_prefill
-    elif stage == "ar_step":
-        generate = engine.runner.generate
-
-        def faulty_generate(requests, noise):
-            trip(involves(requests, culprit))
-            return generate(requests, noise)
-
-        engine.runner.generate = faulty_generate
-    elif stage == "noise":
-        draw_noise = engine.runner.draw_noise
-
-        def faulty_noise(request):
-            trip(request is culprit)
-            return draw_noise(request)
-
-        engine.runner.draw_noise = faulty_noise
-    elif stage == "decode":
-        decode = engine.runner.decode
-
-        def faulty_decode(slots, latents):
-            trip(culprit.decoder_slot is not None and culprit.decoder_slot in slots)
-            return decode(slots, latents)
-
-        engine.runner.decode = faulty_decode
-    elif stage == "first_frame":
-        # The culprit's first frame fails, whichever thread decodes it: the AR thread (while the
-        # decoder is busy: slowed here), outside the pool, from latents alone, so the culprit's
-        # is known by its value, taken from the prefill pass that computed it; or the decoder.
-        prefill, decode = engine.runner.prefill, engine.runner.decode
-        decode_detached = engine.runner.decode_detached
-        first: list[torch.Tensor] = []
-
-        def recorded_prefill(requests, noise):
-            latents, eos = prefill(requests, noise)
-            first.extend(latents[i] for i, r in enumerate(requests) if r is culprit)
-            return latents, eos
-
-        def faulty_decode_detached(latents, histories):
-            trip(bool(first) and any(torch.equal(row[0], first[0]) for row in latents))
-            return decode_detached(latents, histories)
-
-        def faulty_slow_decode(slots, latents):
-            time.sleep(0.03)
-            trip(culprit.frames_delivered == 0 and culprit.decoder_slot in slots)
-            return decode(slots, latents)
-
-        engine.runner.prefill = recorded_prefill
-        engine.runner.decode_detached = faulty_decode_detached
-        engine.runner.decode = faulty_slow_decode
-    return counts
-
-
-async def collect(stream: Stream) -> tuple[Outcome, BaseException | None]:
-    outcome = Outcome()
-    try:
-        async with asyncio.timeout(TIMEOUT):
-            async for event in stream:
-                outcome.events.append(event)
-    except TimeoutError:
-        raise
-    except Exception as e:
-        return outcome, e
-    return outcome, None
-
-
-def jobs() -> list[tuple[str, str, GenerationOptions]]:
-    return [
-        (
-            TEXTS[2] if i == CULPRIT else TEXTS[i % len(TEXTS)],
-            ("default", SECOND_VOICE)[i % 2],
-            options(300 + i, 0.3, max_frames=8),
-        )
-        for i in range(STREAMS)
-    ]
-
-
-def open_streams(engine) -> list[Stream]:
-    return [engine.stream(voice, opts) for _, voice, opts in jobs()]
-
-
-async def push_all(streams: list[Stream]) -> list[tuple[Outcome, BaseException | None]]:
-    for stream, (text, _, _) in zip(streams, jobs(), strict=True):
-        stream.push_text(text)
-        stream.end_input()
-    return await asyncio.gather(*[collect(s) for s in streams])
-
-
-def check_bystanders(results, reference: Reference, skip: int | None) -> None:
-    for i, ((text, voice, opts), (outcome, error)) in enumerate(zip(jobs(), results, strict=True)):
-        if i == skip:
-            continue
-        assert error is None, f"stream {i} ended with {error!r}"
-        check_outcome(outcome, reference, text, voice, opts, f"stream {i}")
 
 
 @pytest.mark.parametrize(
@@ -344,9 +206,10 @@ async def test_stream_during_or_after_close_is_refused(make_engine) -> None:
 async def test_healthz_answers_503_with_the_reason(make_engine) -> None:
     """An orchestrator restarts a process whose engine failed: /healthz says 503 and why."""
     import httpx
-    from test_server_support import ServerThread
 
     from intone.provider.server.app import create_app
+
+    from support.server import ServerThread
 
     engine = make_engine(second_voice=False)
     server = ServerThread(create_app(engine=engine)).start()

@@ -16,7 +16,12 @@ import openai
 import pytest
 import soundfile
 from fastapi import FastAPI
-from test_server_support import (
+
+from intone.provider.client import IntoneClient
+from intone.provider.server import ServerSettings, create_app
+from intone.provider.server.voices import OPENAI_VOICES
+
+from support.server import (
     LONG_TEXT,
     ServerThread,
     idle_pages,
@@ -24,10 +29,6 @@ from test_server_support import (
     wait_engine_idle,
     wait_server_streams,
 )
-
-from intone.provider.client import IntoneClient
-from intone.provider.server import ServerSettings, create_app
-from intone.provider.server.voices import OPENAI_VOICES
 
 TEXT = "Hello from the OpenAI compatible endpoint. It streams."
 
@@ -310,9 +311,10 @@ async def test_mounted_in_fastapi_with_lazy_engine(tiny_checkpoint):
 async def test_draining_refuses_new_work(server):
     """While draining, new streams get an error with a code and /healthz says so; the drain
     itself (signal, deadline, exit) is tested on a real process in test_server_shutdown.py."""
-    from test_server_support import recv_event, send
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
+
+    from support.server import recv_event, send
 
     runtime = server.app.state.intone
     async with connect(server.ws_url) as ws:

@@ -1,0 +1,7 @@
+"""Helpers the test suites share (no tests here). Test modules import these, never each other.
+
+- `support.engine`: the engine suites' single-request reference, request runners and checks.
+- `support.faults`: fault injection under concurrent streams (CPU and CUDA fault suites).
+- `support.oracle`: intone's single path against the pocket-tts package.
+- `support.server`: an in-process `intone serve` on a free port, and WebSocket helpers.
+"""
