@@ -56,16 +56,37 @@ _KINDS: dict[str, Kind] = {
     "slow_client": Kind.CONNECTION,
     "timeout": Kind.CONNECTION,  # the client's own: the server did not answer in time
     "internal_error": Kind.SERVER,
+    "bad_upload": Kind.BAD_REQUEST,
+    "bad_audio": Kind.BAD_REQUEST,
+    "bad_voice_state": Kind.BAD_REQUEST,
+    "voice_too_large": Kind.BAD_REQUEST,
+    "voice_too_long": Kind.BAD_REQUEST,
+    "voice_too_short": Kind.BAD_REQUEST,
+    "voice_silent": Kind.BAD_REQUEST,
+    "voice_cloning_unavailable": Kind.BAD_REQUEST,
+    "too_many_voices": Kind.BAD_REQUEST,
+    "voice_read_only": Kind.BAD_REQUEST,
     "unauthorized": Kind.AUTH,
     "origin_not_allowed": Kind.AUTH,
 }
+
+
+class VoiceRefusedError(ValueError):
+    """A voice file that cannot be used (not audio, truncated, silent, too short or long, a
+    voice state of another model...); `code` is the protocol's code, `status` the HTTP one."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
 
 
 def error_code(e: BaseException) -> str | None:
     """The engine's or the server's code for `e`; None for anything else."""
     from intone.provider.client import IntoneError
 
-    if isinstance(e, EngineError | IntoneError):
+    if isinstance(e, EngineError | IntoneError | VoiceRefusedError):
         return e.code
     return None
 
