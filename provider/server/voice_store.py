@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +78,14 @@ class VoiceStore:
             self.directory = Path(directory)
             self.directory.mkdir(parents=True, exist_ok=True)
             self.temporary = False
-        self.voices: dict[str, StoredVoice] = {}
+        # Written by uploads' worker threads, read on the event loop: readers take a snapshot.
+        self._lock = threading.Lock()
+        self._voices: dict[str, StoredVoice] = {}
         self._pending: dict[str | None, int] = {}  # uploads in flight per owner (quota)
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             stored = self._read(path)
             if stored is not None:
-                self.voices[stored.id] = stored
+                self._voices[stored.id] = stored
         for path in self.directory.glob(f".*{SUFFIX}.tmp"):
             path.unlink(missing_ok=True)  # an upload cut short by a crash
 
@@ -106,9 +109,20 @@ class VoiceStore:
 
     # ---- who sees what
 
+    @property
+    def voices(self) -> dict[str, StoredVoice]:
+        """id -> stored voice, a snapshot."""
+        with self._lock:
+            return dict(self._voices)
+
+    def __contains__(self, voice_id: object) -> bool:
+        with self._lock:
+            return voice_id in self._voices
+
     def visible(self, voice_id: str, owner: str | None) -> StoredVoice | None:
         """The stored voice if `owner` may use it (its own, or any without keys)."""
-        stored = self.voices.get(voice_id)
+        with self._lock:
+            stored = self._voices.get(voice_id)
         if stored is None or stored.owner != owner:
             return None
         return stored
@@ -150,11 +164,13 @@ class VoiceStore:
             temporary.unlink(missing_ok=True)
             raise
         stored = StoredVoice(voice_id, name, model, seconds, owner, path)
-        self.voices[voice_id] = stored
+        with self._lock:
+            self._voices[voice_id] = stored
         return stored
 
     def delete(self, voice_id: str) -> None:
-        stored = self.voices.pop(voice_id, None)
+        with self._lock:
+            stored = self._voices.pop(voice_id, None)
         if stored is not None:
             stored.path.unlink(missing_ok=True)
 

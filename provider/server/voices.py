@@ -77,14 +77,15 @@ class VoiceResolver:
 
     def shared_names(self) -> list[str]:
         """The server's own voices: registry and checkpoint voices, not uploads."""
-        stored = self.store.voices if self.store is not None else {}
         names = set(self.engine.voices) | set(self.engine.loaded.voices)
-        return sorted(name for name in names if name not in stored)
+        return sorted(name for name in names if not self._stored(name))
+
+    def _stored(self, name: str) -> bool:
+        return self.store is not None and name in self.store
 
     def server_voices(self) -> list[str]:
         """The registry's voices that are the server's own (not uploads)."""
-        stored = self.store.voices if self.store is not None else {}
-        return [name for name in self.engine.voices if name not in stored]
+        return [name for name in self.engine.voices if not self._stored(name)]
 
     def alias_table(self) -> dict[str, str]:
         """Every alias and the registry voice it stands for right now."""
@@ -115,7 +116,7 @@ class VoiceResolver:
             if self.engine.default_voice is None:
                 raise UnknownVoiceError("this model has no default voice: name one")
             return self.engine.default_voice
-        if self.store is not None and requested in self.store.voices:
+        if self.store is not None and requested in self.store:
             stored = self.store.visible(requested, owner)
             if stored is None or stored.model != self.model:
                 what = "another model's voice" if stored is not None else "unknown voice"
