@@ -396,3 +396,21 @@ async def test_deleting_a_voice_in_use_lets_its_stream_finish(served, store):
     assert stored_files(store) == []
     # The voice's pages went with its last stream.
     await wait_engine_idle(engine, pages - voice_pages)
+
+
+async def test_a_voice_budget_evicts_idle_voices_and_loads_them_again(tiny_checkpoint, tmp_path):
+    """--voice-cache-mb 0: no idle voice keeps its pages; each stream loads its voice again."""
+    config = {"voice_cache_mb": 0.0}
+    with running_server(tiny_checkpoint, engine_config=config, voice_store=tmp_path) as (
+        server,
+        engine,
+    ):
+        async with IntoneClient(server.url) as client:
+            ids = [(await client.add_voice(encode(tone(1.5 + i / 4))))["id"] for i in range(3)]
+            assert engine.metrics()["voices_resident"] == 0
+            for voice_id in [*ids, "default", *ids]:
+                audio = await client.synthesize("Hi.", voice=voice_id, options={"max_frames": 4})
+                assert len(audio) == 4 * 1920 * 2
+        m = await wait_engine_idle(engine, 0)
+        assert m["voices_resident"] == 0 and m["voice_evictions"] >= 9
+        assert m["voice_loads"] >= 3 + 7

@@ -172,3 +172,27 @@ def test_voice_cache_budget_is_validated() -> None:
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="voice_cache_mb"):
             EngineConfig(voice_cache_mb=bad).validate()
+
+
+async def test_idle_voices_make_room_when_the_pool_is_short(
+    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice, stored: dict[str, Path]
+) -> None:
+    """A budget far above the pool: the pool runs short first, and idle voices give their pages
+    to the next voice and to clauses."""
+    engine = Engine(
+        load_model(tiny_checkpoint),
+        EngineConfig(dtype="float32", num_pages=16, voice_cache_mb=1024.0),
+    ).start()
+    try:
+        names = list(stored)[:12]  # 2-3 pages each: the pool holds a few at a time
+        for name in names:
+            engine.add_voice(name, stored[name], lazy=True)
+        for index, name in enumerate(names):
+            got = await speak(engine, name, index)
+            assert_same(got, single_path(tiny_model, variant(tiny_voice, index), index), name)
+        await wait_settled(engine)
+        m = engine.metrics()
+        assert m["voice_evictions"] > 0 and m["voices_resident"] < len(names)
+        assert engine.health().ok
+    finally:
+        engine.close()

@@ -111,7 +111,17 @@ class VoiceResolver:
 
     async def resolve(self, requested: str | None, owner: str | None = None) -> str:
         """The registry voice for `requested` (None: the default); raises UnknownVoiceError.
-        `owner`: the caller's owner id (`voice_store.owner_for`), for its uploaded voices."""
+        `owner`: the caller's owner id (`voice_store.owner_for`), for its uploaded voices.
+
+        A voice that may not be in the KV pool (an upload registered from its header, or any
+        voice with a voice budget: evicted while idle) has its pages written here, off the event
+        loop, so that the stream() that follows finds them."""
+        name = await self._resolve(requested, owner)
+        if self._stored(name) or self.engine.config.voice_cache_mb is not None:
+            await asyncio.to_thread(self.engine.prefill_voice, name)
+        return name
+
+    async def _resolve(self, requested: str | None, owner: str | None) -> str:
         if requested is None or requested == "":
             if self.engine.default_voice is None:
                 raise UnknownVoiceError("this model has no default voice: name one")
@@ -124,8 +134,6 @@ class VoiceResolver:
                     f"{what} {echo(requested)}; known voices: {self.known()}"
                     + (f" (it is for model {stored.model!r})" if stored is not None else "")
                 )
-            # Its pages, if evicted, are written off the event loop; stream() then finds them.
-            await asyncio.to_thread(self.engine.prefill_voice, requested)
             return requested
         if requested in self.engine.voices:
             return requested
