@@ -31,6 +31,7 @@ from intone.engine.models.pocket.config import dump_config, load_config
 from intone.engine.models.pocket.model import ENCODER_PREFIXES
 from intone.engine.voices import Voice, save_voice_state
 from intone.provider.client import IntoneClient, IntoneError
+from intone.provider.server.voice_store import VoiceStore, is_voice_id, owner_for
 
 RATE = 24000
 KEYS = ("alpha-key-1", "beta-key-2")
@@ -414,3 +415,32 @@ async def test_a_voice_budget_evicts_idle_voices_and_loads_them_again(tiny_check
         m = await wait_engine_idle(engine, 0)
         assert m["voices_resident"] == 0 and m["voice_evictions"] >= 9
         assert m["voice_loads"] >= 3 + 7
+
+
+def test_the_store_keeps_only_its_own_files(tiny_voice: Voice, tmp_path, caplog):
+    store = VoiceStore(tmp_path)
+    kept = store.save(tiny_voice, "Ada", "tiny", 3.0, owner_for("k"))
+    assert is_voice_id(kept.id) and store.visible(kept.id, owner_for("k")) == kept
+    assert (
+        store.visible(kept.id, owner_for("other")) is None and store.visible(kept.id, None) is None
+    )
+    (tmp_path / "foreign.safetensors").write_bytes(b"junk")
+    save_voice_state(tiny_voice, tmp_path / "voice_0123456789abcdef01234567.safetensors")
+    (tmp_path / f".{kept.id}.safetensors.tmp").write_bytes(b"half")  # a crash mid-write
+    reopened = VoiceStore(tmp_path)
+    assert list(reopened.voices) == [kept.id] and reopened.voices[kept.id] == kept
+    assert "skipping foreign.safetensors" in caplog.text
+    assert not (tmp_path / f".{kept.id}.safetensors.tmp").exists()
+    assert reopened.reserve(kept.owner, 2) and not reopened.reserve(kept.owner, 2)
+    reopened.unreserve(kept.owner)
+    reopened.delete(kept.id)
+    assert not kept.path.exists() and kept.id not in reopened
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="--voice-store"):
+        VoiceStore(tmp_path / "file")
+
+    temporary = VoiceStore()
+    stored = temporary.save(tiny_voice, "Ada", "tiny", 3.0, None)
+    assert stored.path.exists()
+    temporary.close()
+    assert not stored.path.parent.exists()

@@ -71,23 +71,33 @@ class StoredVoice:
 
 class VoiceStore:
     def __init__(self, directory: str | Path | None = None):
-        if directory is None:
-            self.directory = Path(tempfile.mkdtemp(prefix="intone-voices-"))
-            self.temporary = True
-        else:
-            self.directory = Path(directory)
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.temporary = False
         # Written by uploads' worker threads, read on the event loop: readers take a snapshot.
         self._lock = threading.Lock()
         self._voices: dict[str, StoredVoice] = {}
         self._pending: dict[str | None, int] = {}  # uploads in flight per owner (quota)
-        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+        self.temporary = directory is None
+        self._directory: Path | None = None
+        if directory is None:
+            return  # a temporary directory, made by the first upload
+        self._directory = Path(directory)
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            paths = sorted(self._directory.glob(f"*{SUFFIX}"))
+            for path in self._directory.glob(f".*{SUFFIX}.tmp"):
+                path.unlink(missing_ok=True)  # an upload cut short by a crash
+        except OSError as e:
+            raise ValueError(f"--voice-store {directory}: {e}") from e
+        for path in paths:
             stored = self._read(path)
             if stored is not None:
                 self._voices[stored.id] = stored
-        for path in self.directory.glob(f".*{SUFFIX}.tmp"):
-            path.unlink(missing_ok=True)  # an upload cut short by a crash
+
+    @property
+    def directory(self) -> Path:
+        with self._lock:
+            if self._directory is None:
+                self._directory = Path(tempfile.mkdtemp(prefix="intone-voices-"))
+            return self._directory
 
     def _read(self, path: Path) -> StoredVoice | None:
         try:
@@ -175,5 +185,5 @@ class VoiceStore:
             stored.path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self.temporary:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        if self.temporary and self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
