@@ -79,7 +79,7 @@ async def create_voice(request: Request, runtime: Runtime) -> Response:
     log = bind(logger, request_id=request_id)
     try:
         owner = _owner(request, runtime)
-        served = await _ready(runtime)
+        await _ready(runtime)
         upload = await _read_upload(request, runtime.settings)
         served = _select(runtime, upload.model)
         stored = await _store(runtime, served, upload, owner)
@@ -161,12 +161,11 @@ def _owner(request: Request, runtime: Runtime) -> str | None:
     return owner_for(key)
 
 
-async def _ready(runtime: Runtime) -> ServedModel:
+async def _ready(runtime: Runtime) -> None:
     try:
         await runtime.ready()
     except EngineUnavailableError as e:
         raise ApiError(503, "engine_unavailable", str(e)) from None
-    return runtime.models[0]
 
 
 def _select(runtime: Runtime, model: str | None) -> ServedModel:
@@ -290,7 +289,8 @@ async def _store(
     if not store.reserve(owner, limit):
         raise _refuse(
             ErrorCode.TOO_MANY_VOICES,
-            f"this key already has {limit} stored voices: delete one first",
+            f"{limit} voices are already stored for this key (without keys: on this server): "
+            "delete one first",
             429,
         )
     try:
