@@ -519,8 +519,7 @@ class Engine:
                 raise ValueError("lazy=True takes a voice-state .safetensors path")
             length = voice_state_length(self.model, Path(source))  # type: ignore[arg-type]
             with self._lock:
-                in_use = (old := self.scheduler.voices.get(name)) is not None and old.users > 0
-                if not in_use:
+                if not self.scheduler.voices.in_use(name):
                     self.scheduler.voices.set(VoicePrefix(name, length, load))
                     return
             # A voice in use is replaced by one in the pool: its streams' next clauses need it.

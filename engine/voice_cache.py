@@ -72,7 +72,13 @@ class VoiceCache:
         return list(self._entries.values())
 
     def get(self, name: str) -> VoicePrefix | None:
+        """The voice a new stream may name (None if removed)."""
         return self._entries.get(name) if name in self else None
+
+    def in_use(self, name: str) -> bool:
+        """Whether a stream still speaks with `name`, removed or not."""
+        entry = self._entries.get(name)
+        return entry is not None and entry.users > 0
 
     # ---- registering and removing
 

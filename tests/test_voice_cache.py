@@ -196,3 +196,25 @@ async def test_idle_voices_make_room_when_the_pool_is_short(
         assert engine.health().ok
     finally:
         engine.close()
+
+
+async def test_a_voice_removed_in_use_and_added_again_lazily(
+    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice, stored: dict[str, Path]
+) -> None:
+    """The streams of a removed voice speak their next clauses with a voice added again under
+    its name: it is written into the pool at once, not lazily."""
+    engine = Engine(load_model(tiny_checkpoint), EngineConfig(dtype="float32")).start()
+    try:
+        engine.add_voice("v", stored["v1"])
+        stream = engine.stream("v", options(2))
+        engine.remove_voice("v")
+        engine.add_voice("v", stored["v1"], lazy=True)
+        assert engine.scheduler.voices["v"].table is not None  # in use: resident
+        stream.push_text(TEXT)
+        stream.end_input()
+        async with asyncio.timeout(TIMEOUT):
+            got = np.concatenate([chunk async for chunk in stream.audio()])
+        assert_same(got, single_path(tiny_model, variant(tiny_voice, 1), 2), "added again")
+        await wait_settled(engine)
+    finally:
+        engine.close()
