@@ -501,9 +501,9 @@ class Engine:
 
         `lazy` (a voice-state `.safetensors` path only): register it without reading more than
         its header; its pages are written when a stream first uses it. With
-        `EngineConfig.voice_cache_mb`, an idle voice may be evicted and is then loaded again
-        from `source` (a voice-state file is read back, audio is encoded again, a `Voice` is
-        kept as it is).
+        `EngineConfig.voice_cache_mb`, an idle voice may be evicted and is then loaded again:
+        a voice-state file is read back, a `Voice` is kept as it is, and a voice from audio
+        keeps its prompt in host memory (encoding it again would take seconds).
         """
         if not isinstance(name, str) or not name:
             # "" could never be asked for: stream(voice="") means the default voice.
@@ -525,6 +525,11 @@ class Engine:
             # A voice in use is replaced by one in the pool: its streams' next clauses need it.
         if voice is None:
             voice = load()
+            if self.scheduler.voices.evicts and Path(str(source)).suffix != ".safetensors":
+                # Audio takes seconds to encode again (a voice state file, milliseconds to
+                # read): an evicted one comes back from a copy in host memory instead.
+                kept = Voice(voice.name, voice.keys.cpu(), voice.values.cpu())
+                load = partial(_same, kept)
         with self._lock:
             table = self._write_voice(name, voice)
             self.scheduler.voices.set(VoicePrefix(name, voice.length, load, table))

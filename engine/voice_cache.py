@@ -1,16 +1,16 @@
 """Voice prompt pages in the KV pool: which voices hold pages, who uses them, what to evict.
 
 Every voice a stream may name is registered with a way to make its prompt keys and values again
-(`VoicePrefix.load`: a voice-state file read back, an audio prompt encoded again, or a `Voice` the
-caller handed over, kept as it is). A voice's pages are resident while any open stream uses it
-(`users`), and while idle as long as the resident voices fit the byte budget: past it, or when a
-clause or a voice finds the pool short, the least recently used idle voices give their pages
-back (without a budget every voice stays). The next stream on an evicted voice loads it again
-(`Engine.prefill_voice`), so a process can hold thousands of voices with a few of them in the
-pool.
+(`VoicePrefix.load`: a voice-state file read back, or a `Voice` kept in host memory: one the
+caller handed over, or an audio prompt's, which would take seconds to encode again). A voice's
+pages are resident while any open stream uses it (`users`), and while idle as long as the
+resident voices fit the byte budget: past it, or when a clause or a voice finds the pool short,
+the least recently used idle voices give their pages back (without a budget every voice stays).
+The next stream on an evicted voice loads it again (`Engine.prefill_voice`), so a process can
+hold thousands of voices with a few of them in the pool.
 
-This class is bookkeeping only, under the engine lock; loading (file reads, encoding) happens in
-the engine, outside the lock.
+This class is bookkeeping only, under the engine lock; loading (a file read) happens in the
+engine, outside the lock.
 """
 
 from __future__ import annotations

@@ -218,3 +218,25 @@ async def test_a_voice_removed_in_use_and_added_again_lazily(
         await wait_settled(engine)
     finally:
         engine.close()
+
+
+async def test_an_audio_voice_comes_back_without_encoding_again(
+    tiny_checkpoint: Path, tiny_model: LoadedModel, tiny_voice: Voice, tmp_path: Path
+) -> None:
+    """Evicted, a voice registered from audio comes back from its prompt kept in host memory:
+    its file may be gone, and nothing is encoded again."""
+    wav = tmp_path / "me.wav"
+    wav.write_bytes((tiny_checkpoint / "voices" / "default.wav").read_bytes())
+    engine = Engine(
+        load_model(tiny_checkpoint), EngineConfig(dtype="float32", voice_cache_mb=0.0)
+    ).start()
+    try:
+        engine.add_voice("me", wav)
+        wav.unlink()
+        for seed in (1, 2):
+            assert engine.scheduler.voices["me"].table is None  # evicted while idle
+            got = await speak(engine, "me", seed)
+            assert_same(got, single_path(tiny_model, tiny_voice, seed), f"seed {seed}")
+            await wait_settled(engine)
+    finally:
+        engine.close()
