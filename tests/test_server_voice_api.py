@@ -4,6 +4,7 @@ see only their own; a restart keeps them; a delete while in use lets the stream 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import shutil
@@ -444,3 +445,45 @@ def test_the_store_keeps_only_its_own_files(tiny_voice: Voice, tmp_path, caplog)
     assert stored.path.exists()
     temporary.close()
     assert not stored.path.parent.exists()
+
+
+async def test_a_hundred_uploads_with_a_budget_for_ten(tiny_checkpoint, tiny_voice, tmp_path):
+    """100 voices uploaded (as voice states: no encoding), a KV budget for 10 of them, a stream
+    on every one at once: each sounds as the single path does with its voice."""
+    from test_voice_cache import VOICES, single_path, variant
+
+    from intone.engine import load_model
+
+    loaded = load_model(tiny_checkpoint)
+    page_bytes = loaded.model.flow_lm.new_kv_pool(0, device="cpu").slot_bytes * 16
+    budget_mb = 10 * -(-tiny_voice.length // 16) * page_bytes / 2**20
+    config = {"voice_cache_mb": budget_mb, "dtype": "float32", "num_pages": 2048}
+    settings = {"max_streams_per_connection": VOICES, "max_voices_per_key": VOICES}
+    with running_server(
+        tiny_checkpoint, engine_config=config, voice_store=tmp_path / "store", **settings
+    ) as (server, engine):
+        ids = []
+        async with IntoneClient(server.url) as client:
+            for index in range(VOICES):
+                path = tmp_path / f"{index}.safetensors"
+                save_voice_state(variant(tiny_voice, index), path)
+                ids.append((await client.add_voice(path))["id"])
+            assert engine.metrics()["voice_pages"] * page_bytes <= budget_mb * 2**20
+            wire = {"eos_threshold": 1e9, "max_frames": 4, "chain_frames": 0}
+            audio = await asyncio.gather(
+                *(
+                    client.synthesize(
+                        "Hi there.", voice=voice_id, format="pcm_f32le", options={**wire, "seed": i}
+                    )
+                    for i, voice_id in enumerate(ids)
+                )
+            )
+        for index, pcm in enumerate(audio):
+            got = np.frombuffer(pcm, "<f4")
+            want = single_path(loaded, variant(tiny_voice, index), index)
+            assert got.shape == want.shape, index
+            error = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want**2))
+            assert error < 1e-4, f"voice {index}: relative RMS error {error:.2e}"
+        m = await wait_engine_idle(engine, engine.metrics()["voice_pages"])
+        assert m["voice_pages"] * page_bytes <= budget_mb * 2**20
+        assert m["voice_evictions"] >= VOICES - 10 and m["voice_loads"] >= 2 * VOICES - 10
