@@ -733,7 +733,7 @@ async def test_a_voice_given_as_bytes_in_process_and_remote(
     engine: Engine, tiny_checkpoint: Path, server_url: str
 ):
     """The bytes of a voice file: registered once in process (by content), uploaded once to a
-    server (its id then names it there)."""
+    server (its id then names it there, and in process over the server's engine)."""
     data = (tiny_checkpoint / "voices" / "default.wav").read_bytes()
     name = registry.bytes_voice_name(data)
     local = intone.TTS(model=tiny_checkpoint, voice=data, **FAST)
@@ -751,6 +751,12 @@ async def test_a_voice_given_as_bytes_in_process_and_remote(
     uploaded = set(engine.voices) - before
     assert len(uploaded) == 1 and next(iter(uploaded)).startswith("voice_")  # once
     await remote.aclose()
+
+    # A voice stored through the server is a voice of its engine: in process too, by its id.
+    stored = intone.TTS(model=tiny_checkpoint, voice=next(iter(uploaded)), **FAST)
+    frame = await stored.synthesize("A stored voice.").collect()
+    assert frame.duration == pytest.approx(8 * FRAME_SECONDS, abs=0.02)
+    await stored.aclose()
 
     refused = intone.TTS(model=tiny_checkpoint, voice=b"not a voice at all" * 10, **FAST)
     with pytest.raises(APIStatusError) as error:
