@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from intone.engine.block_manager import BlockManager
+from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.cpu_memory import keep_freed_memory
 from intone.engine.decoder_worker import (
     ClauseEndItem,
@@ -72,7 +72,8 @@ from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import Stream
 from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.thread_budget import ThreadBudget
-from intone.engine.voices import Voice, load_voice
+from intone.engine.voice_cache import VoiceCache, VoicePrefix
+from intone.engine.voices import Voice, load_voice, voice_state_length
 
 __all__ = [
     "AudioChunk",
@@ -112,6 +113,14 @@ DUE_LEAD_SHARE = 0.75
 # only: an idle decoder takes a new stream's latents at once.
 FIRST_FRAMES_ON_AR = 2
 HANDOVER_CALLS = 2
+# Tries `stream()` makes to find its voice resident: it loads an evicted one between tries, and
+# only a pool churned by other loads in that moment evicts it again.
+VOICE_LOAD_TRIES = 3
+
+
+def _same(voice: Voice) -> Voice:
+    """A `Voice` handed to `add_voice` loads again as itself."""
+    return voice
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,10 @@ class EngineConfig:
     clause_min_tokens: int = 6
     clause_first_min_tokens: int = 4
     clause_max_tokens: int = 50
+    # KV pool memory the voice prompts may hold while no stream uses them; past it the least
+    # recently used idle voices give their pages back and are loaded again on their next stream
+    # (engine/voice_cache.py). None: every registered voice stays in the pool.
+    voice_cache_mb: float | None = None
 
     def validate(self) -> None:
         try:
@@ -228,6 +241,11 @@ class EngineConfig:
             raise ValueError("EngineConfig.torch_threads must be >= 0 (0: torch's own) or None")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("EngineConfig.num_pages must be >= 1 or None")
+        if self.voice_cache_mb is not None and not 0 <= self.voice_cache_mb < math.inf:
+            raise ValueError(
+                f"EngineConfig.voice_cache_mb must be >= 0 and finite or None, "
+                f"got {self.voice_cache_mb}"
+            )
         if not 0 < self.kv_memory_mb < math.inf:
             raise ValueError(
                 f"EngineConfig.kv_memory_mb must be > 0 and finite, got {self.kv_memory_mb}"
@@ -300,6 +318,13 @@ class Engine:
             config.max_prefill_tokens,
             config.max_prefill_rows_near_underrun,
             config.max_rows_per_tenant,
+            voices=VoiceCache(
+                self.blocks,
+                page_bytes=slot_bytes * config.page_size,
+                budget_bytes=(
+                    None if config.voice_cache_mb is None else int(config.voice_cache_mb * 2**20)
+                ),
+            ),
         )
         # Guards the scheduler, the block manager, `_open` and the lifecycle state.
         self._lock = threading.Condition()
@@ -324,6 +349,11 @@ class Engine:
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
                 "kv_lanes_bytes": lambda: self.runner.lanes.nbytes,
+                "voices_registered": lambda: len(self.scheduler.voices),
+                "voices_resident": lambda: len(self.scheduler.voices.resident),
+                "voice_pages": lambda: self.scheduler.voices.resident_pages,
+                "voice_loads": lambda: self.scheduler.voices.loads,
+                "voice_evictions": lambda: self.scheduler.voices.evictions,
                 "active_requests": lambda: self.scheduler.active,
                 "queued_requests": lambda: len(self.scheduler.waiting),
                 "decoder_states_in_use": lambda: self.runner.decoder_states.in_use,
@@ -461,30 +491,109 @@ class Engine:
         with self._lock:
             return sorted(self.scheduler.voices)
 
-    def add_voice(self, name: str, source: str | Path | Voice) -> None:
+    def add_voice(self, name: str, source: str | Path | Voice, *, lazy: bool = False) -> None:
         """Register a voice from audio, a voice-state file or a computed Voice; prefilled once.
 
         Replacing a voice is transactional: the new voice's pages are allocated and written
         first, and only then swapped in; if that fails the old voice is intact and nothing
         leaks. A pool too full for the voice raises EngineFullError.
+
+        `lazy` (a voice-state `.safetensors` path only): register it without reading more than
+        its header; its pages are written when a stream first uses it. With
+        `EngineConfig.voice_cache_mb`, an idle voice may be evicted and is then loaded again:
+        a voice-state file is read back, a `Voice` is kept as it is, and a voice from audio
+        keeps its prompt in host memory (encoding it again would take seconds).
         """
         if not isinstance(name, str) or not name:
             # "" could never be asked for: stream(voice="") means the default voice.
             raise ValueError(f"a voice name is a non-empty str, got {name!r}")
-        voice = source if isinstance(source, Voice) else load_voice(self.model, name, source)
+        if isinstance(source, Voice):
+            voice: Voice | None = source
+            load = partial(_same, source)
+        else:
+            voice = None
+            load = partial(load_voice, self.model, name, source)
+        if lazy:
+            if voice is not None or Path(source).suffix != ".safetensors":  # type: ignore[arg-type]
+                raise ValueError("lazy=True takes a voice-state .safetensors path")
+            length = voice_state_length(self.model, Path(source))  # type: ignore[arg-type]
+            with self._lock:
+                if not self.scheduler.voices.in_use(name):
+                    self.scheduler.voices.set(VoicePrefix(name, length, load))
+                    return
+            # A voice in use is replaced by one in the pool: its streams' next clauses need it.
+        if voice is None:
+            voice = load()
+            if self.scheduler.voices.evicts and Path(str(source)).suffix != ".safetensors":
+                # Audio takes seconds to encode again (a voice state file, milliseconds to
+                # read): an evicted one comes back from a copy in host memory instead.
+                kept = Voice(voice.name, voice.keys.cpu(), voice.values.cpu())
+                load = partial(_same, kept)
         with self._lock:
-            try:
-                table = self.blocks.allocate(voice.length)
-            except MemoryError as e:
-                raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
-            try:
-                self.runner.write_voice(table, voice)
-            except Exception as e:
-                self.blocks.release(table)
-                raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
-            old = self.scheduler.set_voice(name, table)
-            if old is not None:
-                self.blocks.release(old)  # requests using it hold their own references
+            table = self._write_voice(name, voice)
+            self.scheduler.voices.set(VoicePrefix(name, voice.length, load, table))
+
+    def _write_voice(self, name: str, voice: Voice) -> PageTable:
+        """Under the lock: new pages holding `voice`'s prompt (idle voices evicted for room)."""
+        voices = self.scheduler.voices
+        pages = self.blocks.pages_for(voice.length)
+        if pages > self.blocks.pages_available:
+            voices.make_room(pages)
+        try:
+            table = self.blocks.allocate(voice.length)
+        except MemoryError as e:
+            raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
+        try:
+            self.runner.write_voice(table, voice)
+        except Exception as e:
+            self.blocks.release(table)
+            raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
+        return table
+
+    def prefill_voice(self, name: str) -> None:
+        """Make a registered voice's pages resident now (reading or encoding it again if it was
+        evicted), so that `stream()` on it does not: a server calls this off its event loop.
+        UnknownVoiceError if no such voice, or if it cannot be loaded any more."""
+        with self._lock:
+            entry = self._voice_entry(name)
+            self.scheduler.voices.touch(entry)
+            if entry.table is not None:
+                return
+        voice = self._load_voice(entry)
+        with self._lock:
+            self._place_voice(entry, voice)
+
+    def _voice_entry(self, name: str) -> VoicePrefix:
+        entry = self.scheduler.voices.get(name)
+        if entry is None:
+            raise UnknownVoiceError(
+                f"unknown voice {name!r}; known voices: {sorted(self.scheduler.voices)}"
+            )
+        return entry
+
+    def _load_voice(self, entry: VoicePrefix) -> Voice:
+        """Outside the lock: the voice's prompt K/V again (a file read, or an encoding)."""
+        try:
+            return entry.load()
+        except (ValueError, OSError) as e:
+            raise UnknownVoiceError(f"voice {entry.name!r} could not be loaded: {e}") from e
+
+    def _place_voice(self, entry: VoicePrefix, voice: Voice) -> None:
+        """Under the lock: write a loaded voice's pages, unless it was replaced, removed or
+        loaded meanwhile; it stays while idle voices are evicted for the budget."""
+        if self.scheduler.voices.get(entry.name) is not entry or entry.table is not None:
+            return
+        table = self._write_voice(entry.name, voice)
+        self.scheduler.voices.place(entry, table)
+        self.scheduler.voices.fit(keep=entry)
+
+    def remove_voice(self, name: str) -> bool:
+        """Unregister a voice: no new stream may use it; the streams using it finish with it,
+        and its pages go back after them. False if no such voice. The default voice stays."""
+        if name == self.default_voice:
+            raise ValueError(f"{name!r} is the default voice: it cannot be removed")
+        with self._lock:
+            return self.scheduler.voices.remove(name)
 
     # ---- requests
 
@@ -543,12 +652,29 @@ class Engine:
         )
         stream = Stream(self, request, splitter)
         request.sink = stream.post
-        with self._lock:
-            self._check_serving()
-            if request.voice not in self.scheduler.voices:
-                raise UnknownVoiceError(
-                    f"unknown voice {voice!r}; known voices: {sorted(self.scheduler.voices)}"
-                )
+        for _ in range(VOICE_LOAD_TRIES):
+            with self._lock:
+                self._check_serving()
+                entry = self._voice_entry(request.voice)
+                if entry.table is not None:
+                    return self._open_stream(stream, request, entry, options)
+            # Evicted (or registered lazily): read again here, outside the lock, and pinned in
+            # the same locked section that writes its pages.
+            loaded = self._load_voice(entry)
+            with self._lock:
+                self._check_serving()
+                self._place_voice(entry, loaded)
+                if self.scheduler.voices.get(request.voice) is entry and entry.table is not None:
+                    return self._open_stream(stream, request, entry, options)
+        raise EngineFullError(f"voice {request.voice!r} could not be loaded into the KV pool")
+
+    def _open_stream(
+        self, stream: Stream, request: Request, voice: VoicePrefix, options: GenerationOptions
+    ) -> Stream:
+        """Under the lock, with the stream's voice resident: check capacity and admit it."""
+        voices = self.scheduler.voices
+        voices.pin(voice)  # first, so that the capacity below counts its pages as held
+        try:
             # The smallest clause (one token, one frame) must fit beside the chaining tail.
             pages = self.scheduler.clause_pages(request.voice, options.chain_frames + 1, 1)
             if pages > self.scheduler.clause_capacity():
@@ -559,8 +685,11 @@ class Engine:
                 raise EngineFullError(f"{self.config.max_streams} streams already open")
             if len(self.scheduler.waiting) >= self.config.max_queued:
                 raise EngineFullError(f"{self.config.max_queued} requests already queued")
-            self.scheduler.add(request)
-            self._open[request.id] = request
+        except BaseException:
+            voices.unpin(request.voice)
+            raise
+        self.scheduler.add(request)
+        self._open[request.id] = request
         return stream
 
     def _check_serving(self) -> None:

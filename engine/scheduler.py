@@ -27,7 +27,7 @@ Each iteration:
 A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
 `schedule` hands it back in `Batch.failed` and goes on with the others.
 
-The scheduler changes its queues only through its own methods (`add`, `ready`, `set_voice`,
+The scheduler changes its queues only through its own methods (`add`, `ready`,
 `park`, `release`, `released`); the engine calls all of them under its lock.
 """
 
@@ -39,11 +39,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.block_manager import BlockManager
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import URGENT_S
 from intone.engine.sequence import Phase, Request
+from intone.engine.voice_cache import VoiceCache, VoicePrefix
+
+__all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,6 @@ class Need(Enum):
     NONE = "none"  # held by pacing, or far enough ahead of the decoder: it takes no step
     SOON = "soon"  # it may take one: it steps in a burst, but starts none
     NOW = "now"  # it is due: a burst starts
-
-
-@dataclass
-class VoicePrefix:
-    name: str
-    table: PageTable
 
 
 @dataclass
@@ -82,6 +79,7 @@ class Scheduler:
         max_prefill_tokens: int,
         max_prefill_rows_near_underrun: int,
         max_rows_per_tenant: int | None = None,
+        voices: VoiceCache | None = None,
     ):
         self.runner = runner
         self.blocks = blocks
@@ -95,7 +93,8 @@ class Scheduler:
         # Finished requests whose decoder row the decoder thread has not freed yet: they still
         # count against max_active, so a new request always finds a free row.
         self.releasing: set[str] = set()
-        self.voices: dict[str, VoicePrefix] = {}
+        # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `release`.
+        self.voices = voices if voices is not None else VoiceCache(blocks, page_bytes=0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
 
     @property
@@ -128,12 +127,6 @@ class Scheduler:
         else:
             self.idle[request.id] = request
 
-    def set_voice(self, name: str, table: PageTable) -> PageTable | None:
-        """Register (or replace) a voice's prompt pages; returns the replaced voice's table."""
-        old = self.voices.get(name)
-        self.voices[name] = VoicePrefix(name, table)
-        return None if old is None else old.table
-
     def release(self, request: Request) -> bool:
         """Drop the request from scheduling and give back its pages and tail.
 
@@ -148,6 +141,8 @@ class Scheduler:
             self.releasing.add(request.id)
         self.end_clause(request)
         request.tail = None
+        if request.phase is not Phase.FINISHED:
+            self.voices.unpin(request.voice)  # the stream's hold on its voice's pages
         request.phase = Phase.FINISHED
         return admitted
 
@@ -159,13 +154,14 @@ class Scheduler:
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages of its own one clause may need: past the voice's full, shared pages."""
-        voice_length = self.voices[voice].table.length
+        voice_length = self.voices[voice].length
         total = self.blocks.pages_for(voice_length + prompt_length + max_frames)
         return total - voice_length // self.blocks.page_size
 
     def clause_capacity(self) -> int:
-        """Pages a clause can ever get: the pool less what registered voices hold."""
-        return self.blocks.num_pages - sum(len(v.table.pages) for v in self.voices.values())
+        """Pages a clause can ever get: the pool less what voices in use hold (idle voices'
+        pages are evicted when a clause needs them)."""
+        return self.blocks.num_pages - self.voices.held_pages()
 
     def start_clause(self, request: Request) -> bool:
         """Move the request's next clause onto reserved pages; False if the pool is short.
@@ -174,13 +170,18 @@ class Scheduler:
         """
         clause = request.pending[0]
         voice = self.voices[request.voice].table
+        assert voice is not None, "a stream's voice stays resident while it is open"
         tail = request.tail.shape[0] if request.tail is not None else 0
         final = voice.length + tail + len(clause.plan.tokens) + clause.plan.max_frames
         prompt = self.runner.prompt_embeddings(clause.plan.tokens, request.tail)
         table, partial_page = self.blocks.share(voice)
-        if not self.blocks.reserve(table, final, copy_partial=partial_page is not None):
-            self.blocks.release(table)
-            return False
+        copy = partial_page is not None
+        if not self.blocks.reserve(table, final, copy_partial=copy):
+            # Idle voices' pages can go (they are loaded again when a stream needs them).
+            needed = self.blocks.pages_for(final) - len(table.pages)
+            if not (self.voices.make_room(needed) and self.blocks.reserve(table, final, copy)):
+                self.blocks.release(table)
+                return False
         try:
             if partial_page is not None:
                 self.runner.copy_page(

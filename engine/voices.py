@@ -13,6 +13,7 @@ from pathlib import Path
 
 import safetensors
 import torch
+from safetensors.torch import save_file
 
 from intone.engine.audio import end_on_pause, read_audio, resample
 from intone.engine.loading import fetch
@@ -115,6 +116,47 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
             f"layers, the model has {flow_lm.num_layers}"
         )
     return Voice(name, torch.stack(keys).to(model.device), torch.stack(values).to(model.device))
+
+
+def save_voice_state(voice: Voice, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """`voice` as a voice-state file in the reference's layout (what `pocket-tts export-voice`
+    writes: per layer a [2, 1, T, H, D] cache and its offset), which `load_voice` reads back.
+    `metadata`: strings kept in the file's header."""
+    state = {}
+    for layer in range(voice.keys.shape[0]):
+        prefix = f"transformer.layers.{layer}.self_attn"
+        cache = torch.stack([voice.keys[layer], voice.values[layer]])[:, None]
+        state[f"{prefix}/cache"] = cache.detach().to("cpu", torch.float32).contiguous()
+        state[f"{prefix}/offset"] = torch.tensor([voice.length])
+    save_file(state, str(path), metadata=metadata)
+
+
+def voice_state_length(model: PocketTTS, path: Path) -> int:
+    """A voice-state file's prompt positions, from its header and first layer's length only
+    (registering many stored voices must not read them all). ValueError if it holds no
+    first-layer cache, or one whose shape does not fit `model`."""
+    prefix = "transformer.layers.0.self_attn"
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            if f"{prefix}/cache" not in keys:
+                raise ValueError(f"voice state {path} has no {prefix}/cache")
+            shape = tuple(f.get_slice(f"{prefix}/cache").get_shape())
+            if f"{prefix}/offset" in keys:
+                length = int(f.get_tensor(f"{prefix}/offset").view(-1)[0])
+            elif f"{prefix}/current_end" in keys:
+                length = int(f.get_slice(f"{prefix}/current_end").get_shape()[0])
+            else:
+                length = shape[2] if len(shape) == 5 else 0
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"cannot read voice state {path}: {e}") from e
+    transformer = model.flow_lm.transformer
+    expected = (transformer.num_kv_heads, transformer.head_dim)
+    if len(shape) != 5 or shape[3:] != expected or not 0 < length <= shape[2]:
+        raise ValueError(f"voice state {path} does not fit this model: cache {shape}")
+    return length
 
 
 def load_voice(model: PocketTTS, name: str, source: str | Path) -> Voice:

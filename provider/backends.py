@@ -98,13 +98,15 @@ class SpeechBackend(Protocol):
     def shared_engine(self) -> Engine | None: ...
     async def open_stream(
         self,
-        voice: str | None,
+        voice: str | bytes | None,
         settings: dict[str, Any],
         sample_rate: int | None = None,
         model: str | None = None,
     ) -> SpeechStream:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
         which a remote server resamples to; the in-process engine yields its own rate.
+        `voice`: a name (or a stored voice id, or a file path in process), or a voice file's
+        bytes (registered in process, uploaded once to a server).
         `model`: which of a remote server's models speaks (None: its default); an in-process
         backend is one engine, one model (see `Backends`)."""
         ...
@@ -216,19 +218,21 @@ class EngineBackend:
 
     async def open_stream(
         self,
-        voice: str | None,
+        voice: str | bytes | None,
         settings: dict[str, Any],
         sample_rate: int | None = None,
         model: str | None = None,
     ) -> EngineSpeech:
         engine = self._lease.engine
-        if voice is not None and voice not in engine.voices:
-            await asyncio.to_thread(registry.ensure_voice, engine, voice)
+        name: str | None = voice  # type: ignore[assignment]
+        if voice is not None and (isinstance(voice, bytes) or voice not in engine.voices):
+            # A checkpoint voice, a file or a file's bytes: registered once, off the loop.
+            name = await asyncio.to_thread(registry.ensure_voice, engine, voice)
         options = engine_options(engine, settings)
         return EngineSpeech(
-            engine.stream(voice, options),
+            engine.stream(name, options),
             engine.sample_rate,
-            reopen=lambda: engine.stream(voice, options),
+            reopen=lambda: engine.stream(name, options),
         )
 
     async def aclose(self) -> None:
@@ -327,6 +331,7 @@ class RemoteBackend:
             weakref.WeakKeyDictionary()
         )
         self._tasks: set[asyncio.Task] = set()
+        self._uploads: dict[tuple[str, str | None], str] = {}  # voices given as bytes: their ids
 
     @property
     def shared_engine(self) -> Engine | None:
@@ -372,7 +377,7 @@ class RemoteBackend:
 
     async def open_stream(
         self,
-        voice: str | None,
+        voice: str | bytes | None,
         settings: dict[str, Any],
         sample_rate: int | None = None,
         model: str | None = None,
@@ -383,8 +388,9 @@ class RemoteBackend:
             client = None
             try:
                 client = await self._client()  # a draining server refuses at the handshake
+                name = await self._uploaded(client, voice, model, fresh=attempt > 0)
                 stream = await client.stream(
-                    voice=voice,
+                    voice=name,
                     sample_rate=sample_rate,
                     format="pcm_f32le",
                     options=settings,
@@ -394,7 +400,9 @@ class RemoteBackend:
                 # The server restarted, the connection idled out, or this server (replica) is
                 # draining, or hung: one fresh connection, which a load balancer sends elsewhere.
                 retry = isinstance(e, IntoneConnectionError | IntoneTimeoutError)
-                if not retry and e.code != "shutting_down":
+                # An upload the server no longer has (a restart without --voice-store): again.
+                lost = isinstance(voice, bytes) and e.code == "unknown_voice"
+                if not retry and not lost and e.code != "shutting_down":
                     raise
                 if client is not None:
                     self._forget(client)
@@ -403,6 +411,21 @@ class RemoteBackend:
                 continue
             return RemoteSpeech(self, stream)
         raise AssertionError("unreachable")
+
+    async def _uploaded(
+        self, client: Any, voice: str | bytes | None, model: str | None, fresh: bool
+    ) -> str | None:
+        """The server's id for a voice given as bytes: uploaded once per content and model."""
+        if not isinstance(voice, bytes):
+            return voice
+        key = (registry.bytes_voice_name(voice), model)
+        with self._lock:
+            known = None if fresh else self._uploads.get(key)
+        if known is None:
+            known = (await client.add_voice(voice, model=model))["id"]
+            with self._lock:
+                self._uploads[key] = known
+        return known
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

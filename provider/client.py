@@ -33,6 +33,10 @@ API summary:
   with `.code`, e.g. "unknown_voice", if not). `await synthesize(text, ...) -> bytes`.
   Any number of streams may run at once on one client (up to the server's per-connection limit);
   the client is meant to be used from one asyncio event loop.
+* Voices (over HTTP, no connection needed): `await add_voice(path_or_bytes, name=None,
+  model=None) -> {"id", "name", "model", "seconds"}` uploads a voice (audio, or a voice-state
+  .safetensors); its id works as `voice` anywhere. `await list_voices()`,
+  `await delete_voice(id)`.
 * `ClientStream`: `await push_text(text)`, `await flush()`, `await end_input()`,
   `await cancel(wait=True)`, `await playback(seconds)` (how much audio has been played, for
   playback-paced generation); `async for pcm in stream` yields audio bytes and raises
@@ -61,8 +65,9 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -111,6 +116,15 @@ def ws_url(url: str) -> str:
         raise ValueError(f"expected a ws://, wss://, http:// or https:// URL, got {url!r}")
     path = parts.path if parts.path not in ("", "/") else WS_PATH
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def http_url(url: str, path: str) -> str:
+    """The HTTP URL of `path` on the server whose WebSocket URL is `url` (a path prefix, as
+    behind a proxy, is kept)."""
+    parts = urlsplit(url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    prefix = parts.path.removesuffix(WS_PATH).rstrip("/")
+    return urlunsplit((scheme, parts.netloc, prefix + path, "", ""))
 
 
 _END = object()  # queue sentinel: the stream is over (see ClientStream._final)
@@ -348,8 +362,10 @@ class IntoneClient:
         api_key: str | None = None,
         open_timeout: float = 10.0,
         reconnect: bool = False,
+        http_timeout: float = 120.0,
     ):
         self.url = ws_url(url)
+        self.http_timeout = http_timeout  # voice uploads wait for their encoding
         self.api_key = api_key if api_key is not None else os.environ.get("INTONE_API_KEY")
         self.open_timeout = open_timeout
         self.reconnect = reconnect
@@ -496,6 +512,60 @@ class IntoneClient:
         except BaseException:
             await stream.cancel(wait=False)
             raise
+
+    # ---- voices (HTTP: `POST/GET/DELETE /v1/voices`; no connection needed)
+
+    async def add_voice(
+        self, source: str | Path | bytes, *, name: str | None = None, model: str | None = None
+    ) -> dict[str, Any]:
+        """Upload a voice: an audio file (WAV, FLAC, MP3, OGG) or a voice-state .safetensors,
+        as a path or its bytes. Returns `{"id", "name", "model", "seconds"}` once the server has
+        encoded and prefilled it; the id then works as `voice` anywhere. Raises IntoneError
+        with the server's code (bad_audio, voice_too_short, too_many_voices, ...)."""
+        if isinstance(source, bytes):
+            data, filename = source, "voice"
+        else:
+            path = Path(source).expanduser()
+            data, filename = await asyncio.to_thread(path.read_bytes), path.name
+        fields = {k: v for k, v in (("name", name), ("model", model)) if v is not None}
+        response = await self._http(
+            "POST",
+            "/v1/voices",
+            files={"file": (filename, data, "application/octet-stream")},
+            data=fields,
+        )
+        return response.json()
+
+    async def list_voices(self) -> list[dict[str, Any]]:
+        """The server's shared voices and this key's own: `{"id", "name", "model", "seconds",
+        "shared"}` each."""
+        return (await self._http("GET", "/v1/voices")).json()["voices"]
+
+    async def delete_voice(self, voice_id: str) -> None:
+        """Delete one of this key's voices; streams using it finish with it."""
+        await self._http("DELETE", f"/v1/voices/{quote(voice_id, safe='')}")
+
+    async def _http(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=self.http_timeout) as http:
+                response = await http.request(
+                    method, http_url(self.url, path), headers=headers, **kwargs
+                )
+        except httpx.TimeoutException as e:
+            raise IntoneTimeoutError(f"{method} {path}: no answer in time") from e
+        except httpx.HTTPError as e:
+            raise IntoneConnectionError(f"{method} {path}: {e}") from e
+        if response.status_code >= 400:
+            try:
+                error = response.json()["error"]
+                code, message = str(error["code"]), str(error["message"])
+            except (ValueError, KeyError, TypeError):
+                code, message = "internal_error", f"HTTP {response.status_code}"
+            raise IntoneError(code, message)
+        return response
 
     # ---- internals
 

@@ -63,8 +63,10 @@ def _given() -> Any:
 class IntoneTTSSettings(TTSSettings):
     """Runtime-updatable settings: the voice and the generation options.
 
-    `voice`: a voice of the checkpoint ("alba" for the released model), a voice WAV or a
-    voice-state .safetensors; None is the model's default voice. The generation fields are those
+    `voice`: a voice of the checkpoint ("alba" for the released model), a voice file (WAV,
+    FLAC, MP3, OGG or a voice-state .safetensors) or its bytes (encoded once; remote: uploaded
+    once), or a voice id stored on the server (`POST /v1/voices`, `IntoneClient.add_voice`);
+    None is the model's default voice. The generation fields are those
     of `intone.engine.GenerationOptions`; None keeps the model's defaults. Changes apply from the
     next turn; a turn's stream keeps the settings it started with.
     """

@@ -91,6 +91,17 @@ class ErrorCode(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"  # no message (connection) or no text (stream) for too long
     STREAM_TIMEOUT = "stream_timeout"  # the stream outlived the server's maximum lifetime
     SLOW_CLIENT = "slow_client"  # the client stopped reading its audio
+    # Voice uploads (`POST /v1/voices`, docs/server.md "Voices").
+    BAD_UPLOAD = "bad_upload"  # no file, an unsupported content type, a bad name
+    BAD_AUDIO = "bad_audio"  # not audio, truncated, a lying header, NaN or infinite samples
+    BAD_VOICE_STATE = "bad_voice_state"  # a .safetensors that is no voice state of this model
+    VOICE_TOO_LARGE = "voice_too_large"  # over --max-voice-bytes
+    VOICE_TOO_LONG = "voice_too_long"  # over --max-voice-seconds of audio
+    VOICE_TOO_SHORT = "voice_too_short"  # under a second of audio
+    VOICE_SILENT = "voice_silent"  # nothing but silence
+    VOICE_CLONING_UNAVAILABLE = "voice_cloning_unavailable"  # the model has no voice encoder
+    TOO_MANY_VOICES = "too_many_voices"  # the key has --max-voices-per-key stored voices
+    VOICE_READ_ONLY = "voice_read_only"  # one of the server's own voices: it cannot be deleted
 
 
 class CloseCode(IntEnum):
@@ -125,6 +136,16 @@ _SERVER_CODE_KINDS: dict[ErrorCode, Kind] = {
     ErrorCode.RATE_LIMITED: Kind.BUSY,
     ErrorCode.STREAM_TIMEOUT: Kind.BAD_INPUT,
     ErrorCode.SLOW_CLIENT: Kind.CONNECTION,
+    ErrorCode.BAD_UPLOAD: Kind.BAD_REQUEST,
+    ErrorCode.BAD_AUDIO: Kind.BAD_REQUEST,
+    ErrorCode.BAD_VOICE_STATE: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_TOO_LARGE: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_TOO_LONG: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_TOO_SHORT: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_SILENT: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_CLONING_UNAVAILABLE: Kind.BAD_REQUEST,
+    ErrorCode.TOO_MANY_VOICES: Kind.BAD_REQUEST,
+    ErrorCode.VOICE_READ_ONLY: Kind.BAD_REQUEST,
 }
 CODE_KINDS: dict[str, Kind] = {
     **{error.code: error.kind for error in engine_errors()},

@@ -14,6 +14,7 @@ loop, and all of them acquire from here. Loading blocks, so async callers use `a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -236,13 +237,23 @@ def warm_up(engine: Engine) -> None:
         raise errors[0]
 
 
-def ensure_voice(engine: Engine, voice: str | None) -> str | None:
-    """Register `voice` with the engine if it is a checkpoint voice or a file not yet loaded.
+def bytes_voice_name(data: bytes) -> str:
+    """The registry name of a voice given as a file's bytes: by content, so the same bytes
+    are encoded once."""
+    return "bytes-" + hashlib.sha256(data).hexdigest()[:24]
+
+
+def ensure_voice(engine: Engine, voice: str | bytes | None) -> str | None:
+    """Register `voice` with the engine if it is a checkpoint voice, a file not yet loaded or a
+    file's bytes (audio or a voice state, checked as the server checks an upload:
+    `VoiceRefusedError` with its code); returns the registry name.
 
     The engine prefills only the default voice at start; the checkpoint's other named voices
     (the released model has 17) and voice files are added on first use. Blocks: call it off the
     event loop.
     """
+    if isinstance(voice, bytes):
+        return _ensure_bytes_voice(engine, voice)
     if voice is None or voice in engine.voices:
         return voice
     source = engine.loaded.voices.get(voice)
@@ -259,6 +270,22 @@ def ensure_voice(engine: Engine, voice: str | None) -> str | None:
             logger.info("adding voice %r from %s", voice, source)
             engine.add_voice(voice, source)
     return voice
+
+
+def _ensure_bytes_voice(engine: Engine, data: bytes) -> str:
+    from intone.provider.voice_input import decode_voice
+
+    name = bytes_voice_name(data)
+    entry = _entry_of(engine)
+    lock = entry.voice_lock if entry is not None else threading.Lock()
+    with lock:
+        if name not in engine.voices:
+            source = engine.loaded.source
+            model = releases.release_name(source) or Path(source.replace("\\", "/")).stem
+            voice, seconds = decode_voice(engine.model, model, data)
+            logger.info("adding voice %r from %.1f s of audio given as bytes", name, seconds)
+            engine.add_voice(name, voice)
+    return name
 
 
 def known_voices(engine: Engine) -> list[str]:

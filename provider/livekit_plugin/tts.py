@@ -72,7 +72,7 @@ NUM_CHANNELS = 1
 class _TTSOptions:
     """What a stream snapshots when it is created; `update_options` changes later streams."""
 
-    voice: str | None
+    voice: str | bytes | None
     model: str | Path | LoadedModel | None  # None: the default model
     temperature: float | None
     eos_threshold: float | None
@@ -103,7 +103,7 @@ class TTS(tts.TTS):
         *,
         model: TTSModels | str | Path | LoadedModel | None = None,
         language: str | None = None,
-        voice: TTSVoices | str | None = None,
+        voice: TTSVoices | str | bytes | None = None,
         base_url: str | None = None,
         engine: Engine | None = None,
         engine_config: EngineConfig | None = None,
@@ -127,8 +127,10 @@ class TTS(tts.TTS):
                 same model share one engine per process. Remote: one of the server's models.
             language: speak with this language's model ("fr", "fr-FR", "french"; a
                 `LanguageCode`) when `model` is not given.
-            voice: a voice of the checkpoint (e.g. "alba" for the released model), a voice WAV or
-                a voice-state .safetensors; None means the model's default voice.
+            voice: a voice of the checkpoint (e.g. "alba" for the released model), a voice file
+                (WAV, FLAC, MP3, OGG or a voice-state .safetensors) or its bytes (encoded once;
+                remote: uploaded once), a voice id stored on the server (`POST /v1/voices`,
+                `IntoneClient.add_voice`); None means the model's default voice.
             base_url: an `intone serve` address (``ws://host:port``); speech is then made by that
                 server and `model`/`engine_config` are the server's business.
             engine: an engine you built and own: used as is, never closed by this plugin.
@@ -210,7 +212,7 @@ class TTS(tts.TTS):
     def update_options(
         self,
         *,
-        voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
+        voice: NotGivenOr[TTSVoices | str | bytes | None] = NOT_GIVEN,
         language: NotGivenOr[str | None] = NOT_GIVEN,
         model: NotGivenOr[TTSModels | str | Path | LoadedModel | None] = NOT_GIVEN,
         temperature: NotGivenOr[float | None] = NOT_GIVEN,

@@ -28,8 +28,9 @@ from starlette.websockets import WebSocket
 from intone.engine import Engine, EngineConfig
 from intone.provider import protocol
 from intone.provider.protocol import ErrorCode
-from intone.provider.server import openai_api
+from intone.provider.server import openai_api, voice_api
 from intone.provider.server.access import bearer
+from intone.provider.server.forwarded import ForwardedClients
 from intone.provider.server.openai_api import error_response
 from intone.provider.server.runtime import EngineUnavailableError, Runtime, ServedModel, model_name
 from intone.provider.server.settings import ServerSettings
@@ -46,6 +47,7 @@ def create_app(
     engine_config: EngineConfig | None = None,
     settings: ServerSettings | None = None,
     fallback_preset: str | None = "full",
+    voice_store: str | Path | None = None,
 ) -> Starlette:
     """The intone server as an ASGI app.
 
@@ -57,6 +59,8 @@ def create_app(
         `await app.state.intone.close()`.
     The first model is the default; a request picks another by name or alias (`GET /v1/models`).
     voices_dir: voice prompts to add to every model's registry, named by file stem.
+    voice_store: where uploaded voices (`POST /v1/voices`) are kept across restarts; None: a
+        temporary directory, removed when the runtime closes.
     The runtime (engines, voices, drain) is `app.state.intone`.
     """
     if engine is not None and (model is not None or engine_config is not None):
@@ -77,7 +81,9 @@ def create_app(
             ServedModel(requested=None if s is None else str(s), factory=partial(build, s))
             for s in specs
         ]
-    runtime = Runtime(models=served, voices_dir=voices_dir, settings=settings)
+    runtime = Runtime(
+        models=served, voices_dir=voices_dir, settings=settings, voice_store=voice_store
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -103,12 +109,28 @@ def create_app(
         Route("/metrics", partial(metrics, runtime), methods=["GET"]),
         Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/voices", partial(voice_api.create_voice, runtime=runtime), methods=["POST"]),
+        Route("/v1/voices", partial(voice_api.list_voices, runtime=runtime), methods=["GET"]),
+        Route(
+            "/v1/voices/{voice_id}",
+            partial(voice_api.get_voice, runtime=runtime),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/voices/{voice_id}",
+            partial(voice_api.delete_voice, runtime=runtime),
+            methods=["DELETE"],
+        ),
         WebSocketRoute(protocol.WS_PATH, stream),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(BrowserAccess, runtime=runtime)],
+        middleware=[
+            # First: every later check and log sees the client behind a trusted proxy.
+            Middleware(ForwardedClients, forwarded_allow_ips=runtime.settings.forwarded_allow_ips),
+            Middleware(BrowserAccess, runtime=runtime),
+        ],
     )
     app.state.intone = runtime
     return app
@@ -169,7 +191,7 @@ class BrowserAccess:
                 status_code=204,
                 headers={
                     **cors,
-                    "access-control-allow-methods": "GET, POST",
+                    "access-control-allow-methods": "GET, POST, DELETE",
                     "access-control-allow-headers": "authorization, content-type",
                     "access-control-max-age": "600",
                 },
@@ -221,7 +243,7 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
         "weights": loaded.weights,
         "sample_rate": engine.sample_rate,
         "default_voice": engine.default_voice,
-        "voices": engine.voices,
+        "voices": runtime.voices.server_voices(),
         "aliases": runtime.voices.alias_table(),
         "active_requests": engine_metrics["active_requests"],
         "queued_requests": engine_metrics["queued_requests"],

@@ -56,6 +56,7 @@ from intone.provider.server.encoders import CONTENT_TYPES, FORMATS, make_encoder
 from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
 from intone.provider.server.runtime import EngineUnavailableError, Runtime
+from intone.provider.server.voice_store import owner_for
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,8 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
             "input",
         )
     try:
-        voice = await served.voices.resolve(request_.voice)
+        owner = owner_for(bearer(request.headers)) if label is not None else None
+        voice = await served.voices.resolve(request_.voice, owner)
     except EngineError as e:
         raise ApiError(400, protocol.engine_error_code(e), str(e), "voice") from None
 
@@ -297,6 +299,30 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         media_type="text/event-stream" if sse else CONTENT_TYPES[request_.format],
         headers=headers,
     )
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request's body: ApiError 413 past `limit` bytes (declared or sent), 408 if it does
+    not arrive within `timeout` seconds."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, ErrorCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, ErrorCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise ApiError(
+            408, "body_timeout", f"the body did not arrive within {timeout:g} s"
+        ) from None
 
 
 def _key_label(request: Request, runtime: Runtime) -> str | None:
@@ -505,26 +531,7 @@ def _sse_error(code: str, message: str) -> dict[str, Any]:
 
 
 async def _read_json(request: Request, settings: Any) -> dict[str, Any]:
-    limit = settings.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, ErrorCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
-
-    async def read() -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, ErrorCode.MESSAGE_TOO_LARGE, f"request body over {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    try:
-        raw = await asyncio.wait_for(read(), settings.body_timeout)
-    except TimeoutError:
-        raise ApiError(
-            408, "body_timeout", f"the body did not arrive within {settings.body_timeout:g} s"
-        ) from None
+    raw = await read_body(request, settings.max_request_bytes, settings.body_timeout)
     try:
         body = protocol.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too

@@ -216,6 +216,7 @@ def _replica_class(serve_options: Any, ray_options: RayOptions) -> type:
         app = create_app(
             model=serve_options.model,
             voices_dir=serve_options.voices_dir,
+            voice_store=serve_options.voice_store,
             engine_config=serve_options.engine_config,
             settings=serve_options.settings,
             fallback_preset=serve_options.fallback_preset,

@@ -29,6 +29,7 @@ from intone.provider.server.limits import Limits
 from intone.provider.server.logs import ClientErrorLog
 from intone.provider.server.metrics import EnginesCollector, ServerMetrics
 from intone.provider.server.settings import ServerSettings
+from intone.provider.server.voice_store import VoiceStore
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class Runtime:
         voices_dir: str | Path | None = None,
         settings: ServerSettings | None = None,
         models: list[ServedModel] | None = None,
+        voice_store: str | Path | None = None,
     ):
         if models is None:
             if engine is None and engine_factory is None:
@@ -161,6 +163,10 @@ class Runtime:
         self.settings.validate()
         self.models = models
         self._voices_dir = Path(voices_dir) if voices_dir is not None else None
+        # Uploaded voices (voice_store.py): opened with the engines; None: a temporary directory.
+        self._voice_store_dir = Path(voice_store) if voice_store is not None else None
+        self.voice_store: VoiceStore | None = None
+        self.voice_uploads = asyncio.Semaphore(1)  # one upload encodes at a time
         self._lock: asyncio.Lock | None = None
         self._failure: Exception | None = None
         self.voices: VoiceResolver | None = None
@@ -292,9 +298,14 @@ class Runtime:
 
     async def _prepare(self) -> None:
         taken: set[str] = set()
+        store = self.voice_store or await asyncio.to_thread(VoiceStore, self._voice_store_dir)
+        self.voice_store = store
         for index, served in enumerate(self.models):
             await self._prepare_model(served, default=index == 0)
             _names(served, taken)
+            assert served.voices is not None and served.engine is not None
+            served.voices.store, served.voices.model = store, served.name
+            await asyncio.to_thread(_register_stored, served.engine, store, served.name)
         # Marks the runtime ready: the default model's voices.
         self.voices = self.models[0].voices
         if len(self.models) > 1:
@@ -384,3 +395,22 @@ class Runtime:
             if served.factory is not None and served.engine is not None:
                 await asyncio.to_thread(served.engine.close)
                 logger.info("engine closed")
+        if self.voice_store is not None:
+            self.voice_store.close()  # a temporary store goes; a --voice-store stays
+
+
+def _register_stored(engine: Engine, store: VoiceStore, model: str) -> None:
+    """The model's stored voices, registered lazily: their headers are read, their pages are
+    written when a stream first uses them."""
+    count = 0
+    for stored in list(store.voices.values()):
+        if stored.model != model:
+            continue
+        try:
+            engine.add_voice(stored.id, stored.path, lazy=True)
+        except (ValueError, OSError) as e:
+            logger.warning("stored voice %s (%s) skipped: %s", stored.id, stored.path.name, e)
+            continue
+        count += 1
+    if count:
+        logger.info("%d stored voice(s) for %s from %s", count, model, store.directory)

@@ -38,6 +38,7 @@ class ServeOptions:
     # One engine per model; the first is the default. None or []: the released default model.
     model: str | list[str] | None = None
     voices_dir: Path | None = None
+    voice_store: Path | None = None  # uploaded voices kept here; None: a temporary directory
     host: str = "127.0.0.1"
     port: int = 8000
     fallback_preset: str | None = "full"
@@ -77,7 +78,12 @@ def serve(options: ServeOptions) -> None:
         for spec in specs:
             loaded = load_serving_model(spec, fallback_preset=options.fallback_preset)
             engines.append(Engine(loaded, options.engine_config).start())
-        app = create_app(engines, voices_dir=options.voices_dir, settings=settings)
+        app = create_app(
+            engines,
+            voices_dir=options.voices_dir,
+            settings=settings,
+            voice_store=options.voice_store,
+        )
         config = uvicorn_config(app, settings, options.host, options.port)
         server = DrainingServer(config, app.state.intone, settings.drain_timeout)
         asyncio.run(_run(server, sockets))
@@ -141,6 +147,9 @@ def uvicorn_config(app: Any, settings: ServerSettings, host: str, port: int) -> 
         http=header_timeout_protocol(settings.header_timeout, _close_grace(settings)),
         ws=closing_websocket_protocol(_close_grace(settings)),
         log_config=None,  # keep ours: uvicorn's loggers propagate to the root handler
+        # Proxy headers are the app's (forwarded.py, --forwarded-allow-ips): uvicorn's own
+        # would trust X-Forwarded-For from 127.0.0.1 by default and ignore `Forwarded`.
+        proxy_headers=False,
         lifespan="on",
         # Bigger than our own message limit, so an oversized message gets an error event
         # instead of a closed connection.
@@ -252,10 +261,12 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     ]
     origins = [o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip()]
     hosts = [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
+    proxies = [p.strip() for item in args.forwarded_allow_ips for p in item.split(",") if p.strip()]
     return ServeOptions(
         # One --model stays a plain value, as before several were allowed.
         model=args.model[0] if args.model and len(args.model) == 1 else args.model,
         voices_dir=args.voices,
+        voice_store=args.voice_store,
         host=args.host,
         port=args.port,
         fallback_preset=None if args.fallback_preset == "none" else args.fallback_preset,
@@ -270,6 +281,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_text_chars=args.max_text_chars,
             idle_timeout_s=args.stream_idle_timeout or None,
             max_rows_per_tenant=args.max_rows_per_tenant or None,
+            voice_cache_mb=args.voice_cache_mb,
         ),
         settings=ServerSettings(
             api_keys=tuple(keys),
@@ -289,6 +301,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             max_buffered_audio=args.max_buffered_audio,
             slow_client_timeout=args.slow_client_timeout,
             voice_aliases=aliases,
+            max_voice_bytes=args.max_voice_bytes,
+            max_voice_seconds=args.max_voice_seconds,
+            max_voices_per_key=args.max_voices_per_key,
+            forwarded_allow_ips=tuple(proxies),
             drain_timeout=args.drain_timeout,
         ),
     )
@@ -314,6 +330,27 @@ def add_serve_command(commands: Any) -> None:
     serve.add_argument(
         "--voices", type=Path, default=None, help="directory of voice prompts "
         "(.wav/.flac/.mp3/.safetensors), each registered under its file stem",
+    )  # fmt: skip
+    serve.add_argument(
+        "--voice-store", type=Path, default=None, metavar="DIR",
+        help="keep uploaded voices (POST /v1/voices) here, as voice-state .safetensors, across "
+        "restarts (default: a temporary directory, removed at exit)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--voice-cache-mb", type=float, default=None, metavar="MB",
+        help="KV pool memory idle voices may hold; past it the least recently used give their "
+        "pages back and are loaded again on their next stream (default: every voice stays)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-voice-bytes", type=int, default=16 * 2**20, help="size of one uploaded voice file"
+    )
+    serve.add_argument(
+        "--max-voice-seconds", type=float, default=120.0, metavar="S",
+        help="longest uploaded voice audio accepted (only its first 30 s are used)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-voices-per-key", type=int, default=100, metavar="N",
+        help="stored voices per API key (without keys: in all); 0: no limit",
     )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (0: any free)")
@@ -347,6 +384,11 @@ def add_serve_command(commands: Any) -> None:
     serve.add_argument(
         "--public-metrics", action="store_true", help="/metrics and /stats without a key"
     )
+    serve.add_argument(
+        "--forwarded-allow-ips", action="append", default=[], metavar="IP[,NET]",
+        help="trusted proxies (addresses or networks such as 10.0.0.0/8; '*': any) whose "
+        "X-Forwarded-For / Forwarded header names the client, for per-client limits and logs",
+    )  # fmt: skip
     serve.add_argument("--max-connections", type=int, default=512, help="server-wide; 0: no limit")
     serve.add_argument(
         "--max-streams-per-client", type=int, default=128,

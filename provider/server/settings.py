@@ -34,6 +34,14 @@ class ServerSettings:
     slow_client_timeout: float = 30.0  # a client that takes no audio for this long is dropped
     # Voices: OpenAI name (or any alias) -> registry voice; see voices.py for the defaults.
     voice_aliases: dict[str, str] = field(default_factory=dict)
+    # Uploaded voices (voice_api.py): a file's bytes, its audio's seconds (past 30 s only the
+    # first 30 are used, as the reference does), stored voices per API key (0: no limit).
+    max_voice_bytes: int = 16 * 2**20
+    max_voice_seconds: float = 120.0
+    max_voices_per_key: int = 100
+    # Proxies (addresses or networks; "*": any) whose X-Forwarded-For / Forwarded header names
+    # the client (forwarded.py); none: the peer address is the client.
+    forwarded_allow_ips: tuple[str, ...] = ()
     # Shutdown.
     drain_timeout: float = 30.0  # seconds in-flight streams get to finish on SIGTERM
 
@@ -43,10 +51,16 @@ class ServerSettings:
             "max_streams_per_connection",
             "remembered_stream_ids",
             "max_request_bytes",
+            "max_voice_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
-        for name in ("max_connections", "max_streams_per_client", "max_chars_per_minute"):
+        for name in (
+            "max_connections",
+            "max_streams_per_client",
+            "max_chars_per_minute",
+            "max_voices_per_key",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"ServerSettings.{name} must be >= 0 (0: no limit)")
         for name in (
@@ -56,9 +70,13 @@ class ServerSettings:
             "max_stream_seconds",
             "max_buffered_audio",
             "slow_client_timeout",
+            "max_voice_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ServerSettings.{name} must be > 0 seconds")
+        from intone.provider.server.forwarded import trusted_networks
+
+        trusted_networks(self.forwarded_allow_ips)  # ValueError naming a bad entry
         if self.drain_timeout < 0:
             raise ValueError("ServerSettings.drain_timeout must be >= 0")
         for key in self.api_keys:

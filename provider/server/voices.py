@@ -12,6 +12,7 @@ from pathlib import Path
 
 from intone.engine import Engine, UnknownVoiceError
 from intone.provider.protocol import echo
+from intone.provider.server.voice_store import VoiceStore
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,37 @@ def add_voice_dir(engine: Engine, directory: str | Path) -> list[str]:
 
 
 class VoiceResolver:
-    """Turns a requested voice (name, alias or OpenAI name) into a registry voice."""
+    """Turns a requested voice (name, alias, OpenAI name or stored voice id) into a registry
+    voice.
 
-    def __init__(self, engine: Engine, aliases: dict[str, str] | None = None):
+    Stored (uploaded) voices are registry voices too, named by their id, but only their owner
+    may name them, and they are never listed, aliased or named in an error message: the
+    server's own voices (`shared_names`) are."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        aliases: dict[str, str] | None = None,
+        store: VoiceStore | None = None,
+        model: str = "",
+    ):
         self.engine = engine
         self.aliases = dict(aliases or {})
+        self.store = store  # uploaded voices (set by the runtime once the model is named)
+        self.model = model  # the served model's name: a stored voice is for one model
         self._loading: dict[str, asyncio.Task] = {}
+
+    def shared_names(self) -> list[str]:
+        """The server's own voices: registry and checkpoint voices, not uploads."""
+        names = set(self.engine.voices) | set(self.engine.loaded.voices)
+        return sorted(name for name in names if not self._stored(name))
+
+    def _stored(self, name: str) -> bool:
+        return self.store is not None and name in self.store
+
+    def server_voices(self) -> list[str]:
+        """The registry's voices that are the server's own (not uploads)."""
+        return [name for name in self.engine.voices if not self._stored(name)]
 
     def alias_table(self) -> dict[str, str]:
         """Every alias and the registry voice it stands for right now."""
@@ -74,21 +100,41 @@ class VoiceResolver:
 
     def ordered_voices(self) -> list[str]:
         """Registry voices, the default first, so that `alloy` (the first name) is the default."""
-        voices = self.engine.voices
+        voices = self.server_voices()
         default = self.engine.default_voice
         return ([default] if default in voices else []) + [v for v in voices if v != default]
 
     def known(self) -> list[str]:
-        """Names a client may ask for: registry voices, checkpoint voices and aliases."""
-        names = set(self.engine.voices) | set(self.engine.loaded.voices) | set(self.alias_table())
-        return sorted(names)
+        """Names a client may ask for: the server's own voices and aliases (and its own
+        uploads, which are not listed here)."""
+        return sorted(set(self.shared_names()) | set(self.alias_table()))
 
-    async def resolve(self, requested: str | None) -> str:
-        """The registry voice for `requested` (None: the default); raises UnknownVoiceError."""
+    async def resolve(self, requested: str | None, owner: str | None = None) -> str:
+        """The registry voice for `requested` (None: the default); raises UnknownVoiceError.
+        `owner`: the caller's owner id (`voice_store.owner_for`), for its uploaded voices.
+
+        A voice that may not be in the KV pool (an upload registered from its header, or any
+        voice with a voice budget: evicted while idle) has its pages written here, off the event
+        loop, so that the stream() that follows finds them."""
+        name = await self._resolve(requested, owner)
+        if self._stored(name) or self.engine.config.voice_cache_mb is not None:
+            await asyncio.to_thread(self.engine.prefill_voice, name)
+        return name
+
+    async def _resolve(self, requested: str | None, owner: str | None) -> str:
         if requested is None or requested == "":
             if self.engine.default_voice is None:
                 raise UnknownVoiceError("this model has no default voice: name one")
             return self.engine.default_voice
+        if self.store is not None and requested in self.store:
+            stored = self.store.visible(requested, owner)
+            if stored is None or stored.model != self.model:
+                what = "another model's voice" if stored is not None else "unknown voice"
+                raise UnknownVoiceError(
+                    f"{what} {echo(requested)}; known voices: {self.known()}"
+                    + (f" (it is for model {stored.model!r})" if stored is not None else "")
+                )
+            return requested
         if requested in self.engine.voices:
             return requested
         target = self.alias_table().get(requested)

@@ -46,6 +46,7 @@ from intone.provider.server.access import websocket_key
 from intone.provider.server.limits import LimitError
 from intone.provider.server.logs import bind
 from intone.provider.server.runtime import EngineUnavailableError, Runtime
+from intone.provider.server.voice_store import owner_for
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Connection:
         self.log = bind(logger, connection=self.id)
         self.streams: dict[str, WsStream] = {}
         self.tenant = _client_host(websocket)
+        self.owner: str | None = None  # whose uploaded voices it may use (none without keys)
         self._reserved: set[str] = set()  # ids whose start is being processed
         self._recent: deque[str] = deque(maxlen=self.settings.remembered_stream_ids)
         self._recent_set: set[str] = set()
@@ -160,7 +162,8 @@ class Connection:
                 CloseCode.ORIGIN_NOT_ALLOWED,
             )
             return
-        label = access.key_label(websocket_key(headers, self.websocket.scope["query_string"]))
+        key = websocket_key(headers, self.websocket.scope["query_string"])
+        label = access.key_label(key)
         if access.keys_required and label is None:
             runtime.log_client_error(self.log, "connection refused: no valid API key")
             await self._refuse(
@@ -172,6 +175,7 @@ class Connection:
             return
         if label is not None:
             self.tenant = label
+            self.owner = owner_for(key)  # its uploaded voices
             self.log = bind(self.log, key=label)
         try:
             runtime.limits.open_connection()
@@ -445,7 +449,7 @@ class Connection:
                         **message.options,
                     }
                 )
-                voice = await served.voices.resolve(message.voice)
+                voice = await served.voices.resolve(message.voice, self.owner)
                 if self._closed.is_set():
                     raise refuse(ErrorCode.STREAM_CLOSED, "the connection closed")
                 # The caller is the engine's tenant: its fair share of rows is per caller.

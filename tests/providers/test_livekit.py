@@ -715,3 +715,39 @@ async def test_aclose_closes_streams_in_flight(
     await asyncio.wait_for(tts.aclose(), timeout=5)
     # The engine request was cancelled with the stream: nothing holds the slot or its pages.
     await wait_until(lambda: idle(engine, pages_at_idle), timeout=2.0)
+
+
+async def test_a_voice_given_as_bytes_in_process_and_remote(
+    engine: Engine, tiny_checkpoint: Path, server_url: str
+):
+    """The bytes of a voice file: registered once in process (by content), uploaded once to a
+    server (its id then names it there, and in process over the server's engine)."""
+    data = (tiny_checkpoint / "voices" / "default.wav").read_bytes()
+    name = registry.bytes_voice_name(data)
+    local = intone.TTS(model=tiny_checkpoint, voice=data, **FAST)
+    for _ in range(2):
+        frame = await local.synthesize("A voice from bytes.").collect()
+        assert frame.duration == pytest.approx(8 * FRAME_SECONDS, abs=0.02)
+    assert name in engine.voices
+    await local.aclose()
+
+    before = set(engine.voices)
+    remote = intone.TTS(base_url=server_url, voice=data, **FAST)
+    for _ in range(2):
+        frame = await remote.synthesize("A voice from bytes.").collect()
+        assert frame.duration == pytest.approx(8 * FRAME_SECONDS, abs=0.02)
+    uploaded = set(engine.voices) - before
+    assert len(uploaded) == 1 and next(iter(uploaded)).startswith("voice_")  # once
+    await remote.aclose()
+
+    # A voice stored through the server is a voice of its engine: in process too, by its id.
+    stored = intone.TTS(model=tiny_checkpoint, voice=next(iter(uploaded)), **FAST)
+    frame = await stored.synthesize("A stored voice.").collect()
+    assert frame.duration == pytest.approx(8 * FRAME_SECONDS, abs=0.02)
+    await stored.aclose()
+
+    refused = intone.TTS(model=tiny_checkpoint, voice=b"not a voice at all" * 10, **FAST)
+    with pytest.raises(APIStatusError) as error:
+        await refused.synthesize("Never spoken.").collect()
+    assert error.value.status_code == 400 and not error.value.retryable  # bad_audio
+    await refused.aclose()

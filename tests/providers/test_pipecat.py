@@ -502,3 +502,28 @@ async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
             stream.cancel()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("where", ["engine", "server"])
+async def test_a_voice_given_as_bytes(
+    engine: Engine, tiny_checkpoint: Path, server_url: str, where: str
+):
+    """The bytes of a voice file: registered once in process, uploaded once to a server."""
+    data = (tiny_checkpoint / "voices" / "default.wav").read_bytes()
+    settings = IntoneTTSService.Settings(**FAST_FIELDS, voice=data)
+    if where == "engine":
+        tts = service(tiny_checkpoint, settings=settings)
+    else:
+        tts = IntoneTTSService(base_url=server_url, settings=settings)
+    before = set(engine.voices)
+    down, up = await run_test(
+        tts, frames_to_send=[TTSSpeakFrame("Hello there."), TTSSpeakFrame("Once more.")]
+    )
+    assert not [f for f in up if isinstance(f, ErrorFrame)]
+    assert seconds(down) == pytest.approx(2 * CLAUSE_SECONDS, abs=0.01)
+    added = set(engine.voices) - before
+    if where == "engine":
+        assert registry.bytes_voice_name(data) in engine.voices
+        assert len(added) <= 1  # once (an earlier test may have registered it already)
+    else:
+        assert len(added) == 1 and next(iter(added)).startswith("voice_")  # uploaded once

@@ -185,3 +185,26 @@ def test_release_names_languages_and_shortcuts_pick_models() -> None:
     assert single.select("my-favourite-model") is models[0]
     with pytest.raises(UnknownModelError):
         single.select("fr")
+
+
+async def test_an_uploaded_voice_belongs_to_one_model(
+    served, tiny_checkpoint: Path, small_checkpoint: Path
+) -> None:
+    server, engines = served
+    first, second = names(tiny_checkpoint, small_checkpoint)
+    wav = (small_checkpoint / "voices" / "default.wav").read_bytes()
+    async with IntoneClient(server.url) as client:
+        voice = await client.add_voice(wav, model=second)
+        assert voice["model"] == second
+        assert voice["id"] in engines[1].voices and voice["id"] not in engines[0].voices
+        assert await client.synthesize(TEXT, voice=voice["id"], model=second)
+        with pytest.raises(IntoneError) as info:
+            await client.synthesize(TEXT, voice=voice["id"])  # the default (first) model
+        assert info.value.code == "unknown_voice" and second in info.value.message
+        listed = await client.list_voices()
+        assert {(v["id"], v["model"]) for v in listed if v["shared"]} >= {
+            ("default", first),
+            ("second-only", second),
+        }
+        await client.delete_voice(voice["id"])
+        assert voice["id"] not in engines[1].voices

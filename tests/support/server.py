@@ -103,11 +103,15 @@ def running_server(
     checkpoint: Path,
     voices_dir: Path | None = None,
     engine_config: dict[str, Any] | None = None,
+    voice_store: Path | None = None,
     **settings: Any,
 ) -> Iterator[tuple[ServerThread, Engine]]:
     engine = make_engine(checkpoint, **(engine_config or {}))
     app = create_app(
-        engine, voices_dir=voices_dir, settings=ServerSettings(**{**TEST_SETTINGS, **settings})
+        engine,
+        voices_dir=voices_dir,
+        settings=ServerSettings(**{**TEST_SETTINGS, **settings}),
+        voice_store=voice_store,
     )
     server = ServerThread(app).start()
     try:
