@@ -451,9 +451,9 @@ def test_the_store_keeps_only_its_own_files(tiny_voice: Voice, tmp_path, caplog)
 async def test_a_hundred_uploads_with_a_budget_for_ten(tiny_checkpoint, tiny_voice, tmp_path):
     """100 voices uploaded (as voice states: no encoding), a KV budget for 10 of them, a stream
     on every one at once: each sounds as the single path does with its voice."""
-    from test_voice_cache import VOICES, single_path, variant
-
     from intone.engine import load_model
+
+    from support.voices import VOICES, single_path, variant
 
     loaded = load_model(tiny_checkpoint)
     page_bytes = loaded.model.flow_lm.new_kv_pool(0, device="cpu").slot_bytes * 16
