@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,8 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
+from intone.engine import admission
+from intone.engine.admission import Admission
 from intone.engine.block_manager import BlockManager
 from intone.engine.cpu_memory import keep_freed_memory
 from intone.engine.decoder_worker import (
@@ -134,7 +137,10 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
-    max_active: int = 16  # rows: requests generating at once (AR batch and decoder rows)
+    # Rows: requests generating at once (AR batch and decoder rows). "auto": as many as this
+    # model keeps in real time on this machine, measured at start (engine/admission.py; a second
+    # or two at full size on a CPU). `Engine.config` holds the number chosen.
+    max_active: int | Literal["auto"] = "auto"
     max_queued: int = 256  # requests with text waiting for a row
     # Open streams. One with no text pending holds no row and no queue place, only this.
     max_streams: int = 1024
@@ -196,9 +202,15 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
         resolve_precision(self.dtype, self.device)
+        if self.max_active != "auto" and (
+            isinstance(self.max_active, bool) or not isinstance(self.max_active, int)
+        ):
+            raise ValueError(
+                f"EngineConfig.max_active must be auto or >= 1, not {self.max_active!r}"
+            )
         positive = (
             "page_size",
-            "max_active",
+            *(() if self.max_active == "auto" else ("max_active",)),
             "max_queued",
             "max_streams",
             "max_prefill_tokens",
@@ -276,22 +288,41 @@ class Engine:
             1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size))
         )
         self.blocks = BlockManager(num_pages, config.page_size)
-        self.runner = ModelRunner(
-            self.model,
-            self.blocks,
-            config.max_active,
-            config.flow_steps,
-            self.device,
-            config.batch_buckets,
-            decoder_int8=precision.decoder_int8,
-            decoder_trace_after=config.decoder_trace_after,
-            thread_budget=budget,
-            # With the thread budget, a decode batch runs one part per core, each on one thread
-            # (intra-op threads stall on a core that is shared).
-            decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
-            native_kernels=config.native_kernels,
-        )
+
+        def make_runner(blocks: BlockManager, rows: int) -> ModelRunner:
+            return ModelRunner(
+                self.model,
+                blocks,
+                rows,
+                config.flow_steps,
+                self.device,
+                config.batch_buckets,
+                decoder_int8=precision.decoder_int8,
+                decoder_trace_after=config.decoder_trace_after,
+                thread_budget=budget,
+                # With the thread budget, a decode batch runs one part per core, each on one
+                # thread (intra-op threads stall on a core that is shared).
+                decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
+                native_kernels=config.native_kernels,
+            )
+
         self._frame_seconds = self.model.samples_per_frame / self.sample_rate
+        # What max_active="auto" measured and chose; None for a number given.
+        self.admission: Admission | None = None
+        if config.max_active == "auto":
+            cores = (
+                (budget.cores if budget else torch.get_num_threads())
+                if self.device.type == "cpu"
+                else 0
+            )
+            self.admission = admission.probe(
+                partial(make_runner, rows=max(admission.PROBE_ROWS)),
+                config.page_size,
+                self._frame_seconds,
+                cores,
+            )
+            self.config = config = replace(config, max_active=self.admission.max_active)
+        self.runner = make_runner(self.blocks, config.max_active)
         self.pacing = PacingPolicy(
             config.pacing,
             config.lead_s,
@@ -648,7 +679,11 @@ class Engine:
     # ---- metrics
 
     def metrics(self) -> dict:
-        return self._metrics.snapshot()
+        result = self._metrics.snapshot()
+        result["max_active"] = self.config.max_active
+        # What max_active="auto" measured and chose (engine/admission.py); None for a number.
+        result["admission"] = None if self.admission is None else self.admission.as_dict()
+        return result
 
     def prometheus(self) -> bytes:
         return self._metrics.prometheus()
