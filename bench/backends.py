@@ -359,7 +359,12 @@ def make_backend(
     if mode in ("ws", "ws-ray"):
         from ws_backend import WsBackend
 
-        return WsBackend(model, voice_wav, device, workdir, ray=mode == "ws-ray")
+        serve_options = {
+            k: engine_options[k] for k in ("max_active", "pacing") if k in engine_options
+        }
+        return WsBackend(
+            model, voice_wav, device, workdir, ray=mode == "ws-ray", serve_options=serve_options
+        )
     raise ValueError(f"unknown mode {mode!r}")
 
 

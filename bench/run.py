@@ -111,12 +111,14 @@ async def run_worker(spec: dict) -> list[dict]:
         engine_options["dtype"] = "float32"
     if spec.get("max_active"):
         engine_options["max_active"] = spec["max_active"]
+    if spec.get("pacing"):
+        engine_options["pacing"] = spec["pacing"]
     for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun"):
         if spec.get(name):
             engine_options[name] = spec[name]
     if base != "batched-paced":
-        # Generation as fast as the machine goes, as these modes have always measured: pacing
-        # (the engine's default) would hold a fast reader's stream to real time.
+        # Generation as fast as the machine goes, as these modes have always measured (with
+        # pacing "hold" the engine's lead would hold a fast reader's stream to real time).
         engine_options["lead_s"] = None
     client = loadgen.Client(
         paced=spec.get("paced_client", False),
@@ -252,10 +254,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--max-active",
-        type=int,
+        type=lambda v: v if v == "auto" else int(v),
         default=None,
-        help="EngineConfig.max_active of the in-process engine modes (default: the engine's, 16);"
-        " a capacity sweep past 16 streams needs at least its concurrency",
+        help="EngineConfig.max_active (N or auto) of the engine modes, in process and `intone"
+        " serve` (default: the engine's, auto: measured at start); a capacity sweep needs at"
+        " least its concurrency",
+    )
+    parser.add_argument(
+        "--pacing",
+        choices=("yield", "hold", "off"),
+        default=None,
+        help="EngineConfig.pacing of the engine modes, in process and `intone serve` (default: the"
+        " engine's, yield); it matters where lead_s is on: batched-paced and ws",
     )
     parser.add_argument(
         "--max-decode-row-frames",
@@ -318,6 +328,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "paced_client": args.paced_client,
         "barge_in": args.barge_in,
         "max_active": args.max_active,
+        "pacing": args.pacing,
         "max_decode_row_frames": args.max_decode_row_frames,
         "max_prefill_rows_near_underrun": args.max_prefill_rows_near_underrun,
     }

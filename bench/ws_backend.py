@@ -41,10 +41,13 @@ class WsBackend:
         workdir: Path,
         connections: int = 16,
         ray: bool = False,
+        serve_options: dict | None = None,
     ):
+        """`serve_options`: `intone serve` flags by EngineConfig name (max_active, pacing)."""
         self.model, self.voice_wav, self.device, self.workdir = model, voice_wav, device, workdir
         self.connections = connections
         self.ray = ray
+        self.serve_options = serve_options or {}
         self._stages0: dict | None = None
         self._server_ttfa: dict[int, float] = {}  # seed -> the `done` event's server_ttfa
 
@@ -60,6 +63,8 @@ class WsBackend:
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--device", self.device]
         cmd += ["--fallback-preset", "none"]
         cmd += ["--max-streams-per-client", "0"]  # every bench client is one address
+        for name, value in self.serve_options.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
         if self.ray:
             cmd += ["--ray", "--replicas", "1", "--ray-streams-per-connection", "1"]
         self.base = f"http://127.0.0.1:{port}"

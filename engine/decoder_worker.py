@@ -32,7 +32,11 @@ such call at all: it waits, re-checking every `HOLD_RECHECK_S`, so that the AR t
 free instead of sharing it with a long call of audio nobody needs yet. So a stream that has only its
 last latents left is never kept behind streams with bigger backlogs (with groups of equal backlogs
 chosen by size, a stream's last frames waited 1-2 s behind the others' at full size, 8 streams), and
-no row is held back to the smallest backlog of all.
+no row is held back to the smallest backlog of all. With pacing "yield" (`yield_after_s`), a stream
+with more than that buffered ahead of its listener is decoded only with decoder time nobody else
+needs: it rides along with no other stream, and its call (of at most `max_batch` row-frames, as
+above) starts only when no other stream has latents waiting, so a stream that comes due meanwhile
+waits at most that one call.
 
 A decode call that fails is retried row by row on the same latents (a row's history advances only
 when its call succeeds), so only the row that fails alone is pinned on its request (`on_failed`).
@@ -120,9 +124,11 @@ class DecoderWorker:
         on_failed: Callable[[Request, Exception], None],
         on_fatal: Callable[[str, BaseException], None],
         paced: bool = False,
+        yield_after_s: float | None = None,
     ):
         self.runner = runner
         self.paced = paced
+        self.yield_after_s = yield_after_s
         # Set by the AR thread while it computes new streams' first latents and frames.
         self.first_frames_due = False
         self.metrics = metrics
@@ -249,10 +255,16 @@ class DecoderWorker:
                 waiting.append((items[0].request.playback.buffered(t), count, items))
         if not waiting:
             return []
+        yielding = False
+        if self.yield_after_s is not None:
+            # Streams far ahead of their listener go only when nobody else waits.
+            due = [row for row in waiting if row[0] <= self.yield_after_s]
+            yielding = not due
+            waiting = due or waiting
         waiting.sort(key=lambda row: row[0])
         head, frames, _ = waiting[0]
         row_frames = self.max_row_frames_per_call
-        if self.paced and head >= URGENT_S:
+        if self.paced and (head >= URGENT_S or yielding):
             if self.first_frames_due:
                 return []
             row_frames = min(row_frames, self.max_batch)

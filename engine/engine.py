@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
+from intone.engine import admission
+from intone.engine.admission import Admission
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.cpu_memory import keep_freed_memory
 from intone.engine.decoder_worker import (
@@ -65,9 +67,9 @@ from intone.engine.models.pocket.bf16 import bf16_linears
 from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
-from intone.engine.pacing import Playback
+from intone.engine.pacing import PACING_MODES, Need, PacingMode, PacingPolicy, Playback
 from intone.engine.precision import resolve_precision
-from intone.engine.scheduler import Need, Scheduler
+from intone.engine.scheduler import Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import Stream
 from intone.engine.text import ClauseSplitter, check_text
@@ -93,13 +95,6 @@ State = Literal["new", "running", "closing", "closed", "failed"]
 # How often the AR thread looks again while pacing holds a stream back: playback and reading
 # move on without telling it.
 PACING_POLL_S = 0.02
-# When a generating row takes AR steps (`Engine._need`): latents not yet decoded, in decode
-# calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and under
-# which it is due; and the share of `lead_s` under which a paced row is due. Bursts batch more
-# rows per step and leave the decoder more CPU (bench/results/cpu-2core-ar-bursts/).
-AHEAD_OF_DECODER_CALLS = 3
-DUE_DECODER_CALLS = 2
-DUE_LEAD_SHARE = 0.75
 # While the decoder is busy, a new stream's first frames are decoded on the AR thread
 # (`Engine._emit`), outside the pool, this many of them: the decoder worker takes the stream over
 # after them. Playback starts with the first audio, and the worker's first frame of the stream
@@ -151,16 +146,21 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
-    max_active: int = 16  # rows: requests generating at once (AR batch and decoder rows)
+    # Rows: requests generating at once (AR batch and decoder rows). "auto": as many as this
+    # model keeps in real time on this machine, measured at start (engine/admission.py; a second
+    # or two at full size on a CPU). `Engine.config` holds the number chosen.
+    max_active: int | Literal["auto"] = "auto"
     max_queued: int = 256  # requests with text waiting for a row
     # Open streams. One with no text pending holds no row and no queue place, only this.
     max_streams: int = 1024
     # A stream with no text pushed and no audio pending or in flight for this long ends with
     # IdleTimeoutError; None disables it. The server sets its own (30 s by default).
     idle_timeout_s: float | None = 300.0
-    # Playback pacing: a stream more than lead_s seconds of audio (as heard, after `speed`)
-    # ahead of its playback takes no AR steps until playback catches up. None: as fast as
-    # possible (offline rendering).
+    # Playback pacing (engine/pacing.py): what a stream more than lead_s seconds of audio (as
+    # heard, after `speed`) ahead of its playback may take. "yield": only the compute no stream
+    # within lead_s needs (an idle engine renders as fast as it can); "hold": no AR steps until
+    # playback catches up; "off": as fast as possible, like lead_s=None (offline rendering).
+    pacing: PacingMode = "yield"
     lead_s: float | None = 2.0
     # A stream whose consumer has this many seconds of audio unread stops generating (it is
     # not dropped) until the consumer reads; None: unbounded.
@@ -215,9 +215,15 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
         resolve_precision(self.dtype, self.device)
+        if self.max_active != "auto" and (
+            isinstance(self.max_active, bool) or not isinstance(self.max_active, int)
+        ):
+            raise ValueError(
+                f"EngineConfig.max_active must be auto or >= 1, not {self.max_active!r}"
+            )
         positive = (
             "page_size",
-            "max_active",
+            *(() if self.max_active == "auto" else ("max_active",)),
             "max_queued",
             "max_streams",
             "max_prefill_tokens",
@@ -237,6 +243,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0 or None")
+        if self.pacing not in PACING_MODES:
+            raise ValueError(
+                f"EngineConfig.pacing must be one of {', '.join(PACING_MODES)}, not {self.pacing!r}"
+            )
         if self.torch_threads is not None and self.torch_threads < 0:
             raise ValueError("EngineConfig.torch_threads must be >= 0 (0: torch's own) or None")
         if self.num_pages is not None and self.num_pages < 1:
@@ -296,20 +306,47 @@ class Engine:
             1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size))
         )
         self.blocks = BlockManager(num_pages, config.page_size)
-        self.runner = ModelRunner(
-            self.model,
-            self.blocks,
-            config.max_active,
-            config.flow_steps,
-            self.device,
-            config.batch_buckets,
-            decoder_int8=precision.decoder_int8,
-            decoder_trace_after=config.decoder_trace_after,
-            thread_budget=budget,
-            # With the thread budget, a decode batch runs one part per core, each on one thread
-            # (intra-op threads stall on a core that is shared).
-            decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
-            native_kernels=config.native_kernels,
+
+        def make_runner(blocks: BlockManager, rows: int) -> ModelRunner:
+            return ModelRunner(
+                self.model,
+                blocks,
+                rows,
+                config.flow_steps,
+                self.device,
+                config.batch_buckets,
+                decoder_int8=precision.decoder_int8,
+                decoder_trace_after=config.decoder_trace_after,
+                thread_budget=budget,
+                # With the thread budget, a decode batch runs one part per core, each on one
+                # thread (intra-op threads stall on a core that is shared).
+                decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
+                native_kernels=config.native_kernels,
+            )
+
+        self._frame_seconds = self.model.samples_per_frame / self.sample_rate
+        # What max_active="auto" measured and chose; None for a number given.
+        self.admission: Admission | None = None
+        if config.max_active == "auto":
+            cores = (
+                (budget.cores if budget else torch.get_num_threads())
+                if self.device.type == "cpu"
+                else 0
+            )
+            self.admission = admission.probe(
+                partial(make_runner, rows=max(admission.PROBE_ROWS)),
+                config.page_size,
+                self._frame_seconds,
+                cores,
+            )
+            self.config = config = replace(config, max_active=self.admission.max_active)
+        self.runner = make_runner(self.blocks, config.max_active)
+        self.pacing = PacingPolicy(
+            config.pacing,
+            config.lead_s,
+            config.max_unread_s,
+            self._frame_seconds,
+            config.max_decode_frames,
         )
         self.scheduler = Scheduler(
             self.runner,
@@ -317,6 +354,7 @@ class Engine:
             config.max_active,
             config.max_prefill_tokens,
             config.max_prefill_rows_near_underrun,
+            self.pacing,
             config.max_rows_per_tenant,
             voices=VoiceCache(
                 self.blocks,
@@ -334,7 +372,6 @@ class Engine:
         # Requests whose stream has not had its final event yet, whatever stage holds them.
         self._open: dict[str, Request] = {}
         self._ar_thread: threading.Thread | None = None
-        self._frame_seconds = self.model.samples_per_frame / self.sample_rate
         self._rows_generating = 0
         # Seconds between a row's latents (a running measure of each pass's median); None
         # before any row had two.
@@ -372,7 +409,8 @@ class Engine:
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
-            paced=config.lead_s is not None,
+            paced=self.pacing.paced,
+            yield_after_s=self.pacing.yield_after_s,
         )
         for name, source in loaded.voices.items():
             if name == loaded.default_voice:
@@ -770,7 +808,11 @@ class Engine:
     # ---- metrics
 
     def metrics(self) -> dict:
-        return self._metrics.snapshot()
+        result = self._metrics.snapshot()
+        result["max_active"] = self.config.max_active
+        # What max_active="auto" measured and chose (engine/admission.py); None for a number.
+        result["admission"] = None if self.admission is None else self.admission.as_dict()
+        return result
 
     def prometheus(self) -> bytes:
         return self._metrics.prometheus()
@@ -815,17 +857,13 @@ class Engine:
                     # Held streams, with a row or parked for pacing: while there are any, the
                     # thread polls (playback moves on without telling it).
                     held = sum(
-                        self.held(r, t)
+                        self.pacing.held(r, t)
                         for r in [*self.scheduler.running, *self.scheduler.waiting]
                         if r.frames_generated
                     )
                     self._metrics_paced(held, t - last)
                     last = t
-                    batch = self.scheduler.schedule(
-                        partial(self.held, t=t),
-                        partial(self._lead, t=t),
-                        partial(self._need, t=t),
-                    )
+                    batch = self.scheduler.schedule(t)
                     for request in batch.parked:
                         self.decoder.put(ParkItem(request))
                     for request, error in batch.failed:
@@ -844,51 +882,17 @@ class Engine:
 
     # ---- pacing and idle streams
 
-    def _lead(self, request: Request, t: float) -> float:
-        """Listening seconds of the request's audio generated ahead of its playback."""
-        generated = request.frames_generated * self._frame_seconds / request.playback.speed
-        return generated - request.playback.position(t)
-
     def unread_seconds(self, request: Request) -> float:
-        """Seconds of the request's audio its consumer has not read: delivered and waiting, or
-        still in the decoder (counting only delivered audio lets a decoder backlog overshoot)."""
-        return request.frames_generated * self._frame_seconds - request.read_seconds
+        """Seconds of the request's audio its consumer has not read (`PacingPolicy.unread`)."""
+        return self.pacing.unread(request)
 
     def held(self, request: Request, t: float) -> bool:
-        """Pacing holds the request: far ahead of playback, or too much audio unread."""
-        limit = self.config.max_unread_s
-        if limit is not None and self.unread_seconds(request) > limit:
-            return True
-        lead_s = self.config.lead_s
-        return lead_s is not None and self._lead(request, t) > lead_s
-
-    def _need(self, request: Request, t: float) -> Need:
-        """How much a stream holding a row needs its next AR step (see `Need`).
-
-        None while pacing holds it or while it has `AHEAD_OF_DECODER_CALLS` decode calls' worth
-        of latents not yet decoded (the decoder is the slower stage: steps taken further ahead
-        only take its cores); now once it is down to `DUE_DECODER_CALLS` of them and, paced,
-        under `DUE_LEAD_SHARE` of `lead_s` ahead of playback; soon in between. A row that comes
-        due starts a burst of steps (`Scheduler.schedule`) that every row that may step joins
-        until it may not: steps are few and large, not one per row as each comes due. Between
-        clauses only pacing counts (a stream not due then gives its row to a waiting one): the
-        latents still to decode say how far the decoder lags, not how soon the listener needs
-        the next clause."""
-        if self.held(request, t):
-            return Need.NONE
-        lead_s = self.config.lead_s
-        paced_due = lead_s is None or self._lead(request, t) < DUE_LEAD_SHARE * lead_s
-        if request.phase is not Phase.GENERATING:
-            return Need.NOW if paced_due else Need.SOON
-        undecoded = request.frames_generated - request.frames_delivered
-        call = self.config.max_decode_frames
-        if undecoded >= AHEAD_OF_DECODER_CALLS * call:
-            return Need.NONE
-        return Need.NOW if paced_due and undecoded < DUE_DECODER_CALLS * call else Need.SOON
+        """Pacing holds the request: too much audio unread, or (pacing "hold") far ahead."""
+        return self.pacing.held(request, t)
 
     def _leads(self) -> list[float]:
         t = now()
-        return [self._lead(r, t) for r in list(self.scheduler.running)]
+        return [self.pacing.lead(r, t) for r in list(self.scheduler.running)]
 
     def _idle_deadline(self, request: Request) -> float | None:
         """When an idle request times out: no text pending and no audio pending or in flight."""
@@ -910,8 +914,8 @@ class Engine:
             d for r in self.scheduler.idle.values() if (d := self._idle_deadline(r)) is not None
         ]
         waits = [max(d - t, 0.0) for d in deadlines]
-        # Rows that wait for their turn (`_need`): playback, reading and decoding move on their
-        # own, so the thread polls.
+        # Rows that wait for their turn (`PacingPolicy.need`): playback, reading and decoding
+        # move on their own, so the thread polls.
         if self._streams_paced or any(r.phase is Phase.GENERATING for r in self.scheduler.running):
             waits.append(PACING_POLL_S)
         return min(waits) if waits else None
@@ -1000,7 +1004,8 @@ class Engine:
                     joining = [
                         r
                         for r, _ in first
-                        if r.phase is Phase.GENERATING and self._need(r, t) is not Need.NONE
+                        if r.phase is Phase.GENERATING
+                        and self.scheduler.need(r, t) is not Need.NONE
                     ]
                 generate += self._prepare(joining, noise_of)
             if generate:
@@ -1037,9 +1042,13 @@ class Engine:
         ended, starting, intervals = [], [], []
         decoder_idle = self.decoder.idle
         t = now()
+        yielded = 0.0
         for request, (latent, is_eos) in done:
             assert request.progress is not None and request.clause is not None
             if request.progress.advance(is_eos):
+                if self.pacing.ahead(request, t):
+                    request.metrics.yielded_seconds += self._frame_seconds
+                    yielded += self._frame_seconds
                 if request.latent_at is not None:
                     intervals.append(t - request.latent_at)
                 request.latent_at = t
@@ -1052,6 +1061,8 @@ class Engine:
                     starting.append(request)
             if request.progress.ended:
                 ended.append(request)
+        if yielded:
+            self._metrics.yielded(yielded)
         if intervals:
             interval = statistics.median(intervals)
             self._latent_interval_s = running_mean(self._latent_interval_s, interval)

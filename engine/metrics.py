@@ -2,7 +2,9 @@
 
 Besides the batch sizes and throughput: how long AR steps and decode calls take (histograms),
 how far streams run ahead of playback (the distribution of their leads), how long pacing held
-streams back, idle timeouts, and streams open against rows generating.
+streams back, how much audio streams generated while more than `lead_s` ahead (the compute pacing
+"yield" gave them because nobody else needed it), idle timeouts, and streams open against rows
+generating.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class EngineMetrics:
         self._leads = leads
         self._step_seconds = {stage: 0.0 for stage in STAGES}
         self._paced_seconds = 0.0
+        self._yielded_seconds = 0.0
         self._idle_timeouts = 0
         self._batches = {stage: 0 for stage in STAGES}
         self._batch_rows = {stage: 0 for stage in STAGES}
@@ -79,6 +82,11 @@ class EngineMetrics:
             "Stream-seconds held back by playback pacing",
             registry=self.registry,
         )
+        self._p_yielded = Counter(
+            "intone_yielded_seconds",
+            "Audio generated while more than lead_s ahead of its listener",
+            registry=self.registry,
+        )
         self._p_idle = Counter(
             "intone_idle_timeouts", "Streams ended by the idle timeout", registry=self.registry
         )
@@ -111,6 +119,12 @@ class EngineMetrics:
         with self._lock:
             self._paced_seconds += seconds
         self._p_paced.inc(seconds)
+
+    def yielded(self, seconds: float) -> None:
+        """Audio generated while its stream was more than `lead_s` ahead of its listener."""
+        with self._lock:
+            self._yielded_seconds += seconds
+        self._p_yielded.inc(seconds)
 
     def idle_timeout(self) -> None:
         with self._lock:
@@ -168,6 +182,7 @@ class EngineMetrics:
                     self._step_seconds[stage] / batches if batches else 0.0
                 )
             result["pacing_paused_seconds"] = self._paced_seconds
+            result["yielded_seconds"] = self._yielded_seconds
             result["idle_timeouts"] = self._idle_timeouts
             result["stream_lead_seconds"] = {f"{q:g}": v for q, v in self._lead_quantiles().items()}
             result["audio_seconds"] = self._audio_seconds

@@ -10,7 +10,8 @@ Each iteration:
 1. running requests between clauses start their next clause if their KV pages can be reserved
    (unless pacing holds them); then waiting requests are admitted while rows and pages last, in
    priority order: a new request's first clause, then streams closest to an underrun (least
-   audio ahead of playback), then the rest, first come first served among equals. A request
+   audio ahead of playback), then the rest, first come first served among equals (a stream far
+   ahead of its listener comes last: with pacing "hold" it is not admitted at all). A request
    that does not fit the pool blocks those behind it, so a big request cannot starve; a tenant at
    its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill (and then,
@@ -22,7 +23,14 @@ Each iteration:
    (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
    none may; then no step runs until a row is due again. An AR step's cost is mostly per step,
    not per row (the 2M model on one core: 9 ms for one row, 20 ms for 64), so rows that came
-   due one by one would each pay it.
+   due one by one would each pay it. With pacing "yield", rows more than `lead_s` ahead of their
+   listener (`Need.SPARE`) take no part in a burst or in a prefill pass another stream needs
+   (only a bucketed step's padding rows): they step, and their next clauses are prefilled, in
+   the iterations where no stream within `lead_s` is due, so one of those waits at most one
+   such step.
+
+The pacing policy (`PacingPolicy`, engine/pacing.py) is the scheduler's: it says, at the time
+`schedule` is given, which streams are held, how far ahead each is, and how much each needs a step.
 
 A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
 `schedule` hands it back in `Batch.failed` and goes on with the others.
@@ -35,28 +43,20 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from intone.engine.block_manager import BlockManager
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
-from intone.engine.pacing import URGENT_S
+from intone.engine.pacing import URGENT_S, Need, PacingPolicy
 from intone.engine.sequence import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
+__all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
+
 logger = logging.getLogger(__name__)
-
-
-class Need(Enum):
-    """How much a stream holding a row needs its next AR step (a clause end counts too)."""
-
-    NONE = "none"  # held by pacing, or far enough ahead of the decoder: it takes no step
-    SOON = "soon"  # it may take one: it steps in a burst, but starts none
-    NOW = "now"  # it is due: a burst starts
 
 
 @dataclass
@@ -78,10 +78,12 @@ class Scheduler:
         max_active: int,
         max_prefill_tokens: int,
         max_prefill_rows_near_underrun: int,
+        pacing: PacingPolicy,
         max_rows_per_tenant: int | None = None,
         voices: VoiceCache | None = None,
     ):
         self.runner = runner
+        self.pacing = pacing
         self.blocks = blocks
         self.max_active = max_active
         self.max_prefill_tokens = max_prefill_tokens
@@ -209,15 +211,13 @@ class Scheduler:
 
     # ---- batches
 
-    def schedule(
-        self,
-        held: Callable[[Request], bool],
-        lead: Callable[[Request], float],
-        need: Callable[[Request], Need],
-    ) -> Batch:
-        """The next batch. `held(request)`: pacing holds it back now; `lead(request)`: seconds
-        of its audio ahead of playback (for priority); `need(request)`: how much it needs its
-        next AR step (one that is not due gives its row to a waiting stream at a clause end)."""
+    def need(self, request: Request, t: float) -> Need:
+        """How much `request` needs its next AR step at `t` (`PacingPolicy.need`)."""
+        return self.pacing.need(request, t, request.phase is Phase.GENERATING)
+
+    def schedule(self, t: float) -> Batch:
+        """The next batch, with every stream's standing taken at `t`."""
+        pacing = self.pacing
         failed: list[tuple[Request, Exception]] = []
         parked: list[Request] = []
 
@@ -237,11 +237,11 @@ class Scheduler:
             if not request.pending and not request.input_ended:
                 self.park(request)  # nothing to say for now: the row is someone else's
                 parked.append(request)
-            elif request.pending and self.waiting and need(request) is not Need.NOW:
+            elif request.pending and self.waiting and self.need(request, t) is not Need.NOW:
                 # Not due while others wait for a row: let them have it.
                 self.park(request)
                 parked.append(request)
-            elif request.pending and held(request):
+            elif request.pending and pacing.held(request, t):
                 continue  # far ahead: its next clause starts once playback catches up
             elif request.pending and try_start(request) is False:
                 short_of_pages = True
@@ -249,7 +249,9 @@ class Scheduler:
         if not short_of_pages:
             rows = self._rows_by_tenant()
             # sorted() is stable: first come, first served among equals.
-            for request in sorted(self.waiting, key=lambda r: (r.frames_generated > 0, lead(r))):
+            for request in sorted(
+                self.waiting, key=lambda r: (r.frames_generated > 0, pacing.lead(r, t))
+            ):
                 if self.active >= self.max_active:
                     break
                 cap = self.max_rows_per_tenant
@@ -259,7 +261,7 @@ class Scheduler:
                     and rows.get(request.tenant, 0) >= cap
                 ):
                     continue  # this tenant has its share; the others go first
-                if request.frames_generated and held(request):
+                if request.frames_generated and pacing.held(request, t):
                     continue
                 started = try_start(request)
                 if started is None:
@@ -269,11 +271,22 @@ class Scheduler:
                 self.waiting.remove(request)
                 self.running.append(request)
                 rows[request.tenant] = rows.get(request.tenant, 0) + 1
-        prefill, tokens = [], 0
+        needs = [(r, self.need(r, t)) for r in self.running if r.phase is Phase.GENERATING]
+        within = [r for r, n in needs if n in (Need.NOW, Need.SOON)]
+        spare = [r for r, n in needs if n is Need.SPARE]
+        # A burst goes on while rows within lead_s step in it (not for spare rows alone).
+        bursting = self.bursting and bool(within)
+        due = any(n is Need.NOW for _, n in needs)
+        # Prompts of streams far ahead (spare) wait for an iteration nobody else needs.
         prompts = [r for r in self.running if r.phase is Phase.PREFILL]
+        spare_prompts = [r for r in prompts if self.need(r, t) is Need.SPARE]
+        prompts = [r for r in prompts if r not in spare_prompts]
+        if not (prompts or due or bursting):
+            prompts = spare_prompts
+        prefill, tokens = [], 0
         playing = (r for r in self.running if r.phase is Phase.GENERATING)
         most = self.max_active
-        if prompts and any(lead(r) < URGENT_S for r in playing):
+        if prompts and any(pacing.lead(r, t) < URGENT_S for r in playing):
             most = self.max_prefill_rows_near_underrun
         for request in prompts:
             assert request.prompt is not None
@@ -283,12 +296,23 @@ class Scheduler:
                 break
             prefill.append(request)
             tokens += request.prompt.shape[0]
-        needs = [(r, need(r)) for r in self.running if r.phase is Phase.GENERATING]
-        generate = []
-        if prefill or self.bursting or any(n is Need.NOW for _, n in needs):
-            generate = [r for r, n in needs if n is not Need.NONE]
-        self.bursting = bool(generate)
+        spare_pass = bool(prefill) and all(r in spare_prompts for r in prefill)
+        if spare_pass or not (prefill or bursting or due):
+            # No stream within lead_s needs this iteration: the spare rows step, and the rows
+            # that may step ride along. Not a burst: a due row starts one without them.
+            generate = [*within, *spare] if spare or prefill else []
+            self.bursting = False
+        else:
+            generate = within + spare[: self._padding(len(within))]
+            self.bursting = bool(within)
         return Batch(prefill, generate, failed, parked)
+
+    def _padding(self, rows: int) -> int:
+        """Rows a step of `rows` is padded with anyway (batch buckets): free for spare rows."""
+        buckets = self.runner.batch_buckets
+        if not buckets:
+            return 0
+        return next((b for b in buckets if b >= rows), rows) - rows
 
     def _rows_by_tenant(self) -> dict[str | None, int]:
         rows: dict[str | None, int] = {}

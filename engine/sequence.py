@@ -45,6 +45,9 @@ class RequestMetrics:
     audio_samples: int = 0
     sample_rate: int = 24000
     clauses: int = 0
+    # Audio generated while more than `lead_s` ahead of the listener: compute the stream took
+    # because nobody nearer an underrun needed it (pacing "yield"; engine/pacing.py).
+    yielded_seconds: float = 0.0
 
     @property
     def ttfa(self) -> float | None:
@@ -71,6 +74,7 @@ class RequestMetrics:
             "rtf": self.rtf,
             "audio_seconds": self.audio_seconds,
             "clauses": self.clauses,
+            "yielded_seconds": self.yielded_seconds,
         }
 
 

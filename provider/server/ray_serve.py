@@ -107,6 +107,10 @@ class RayLimits:
     capacity_streams: int  # what the limits are derived from
 
 
+# Streams per replica Ray's limits assume for `--max-active auto`.
+RAY_AUTO_CAPACITY = 16
+
+
 def ray_limits(engine: EngineConfig, settings: ServerSettings, options: RayOptions) -> RayLimits:
     """Ray's per-replica limits from the engine's capacity in streams (`max_active` rows).
 
@@ -119,7 +123,9 @@ def ray_limits(engine: EngineConfig, settings: ServerSettings, options: RayOptio
     the router picks its replica, so a smaller queue turns a burst into 503s although replicas
     have room; past it, the proxy answers 503 at once.
     """
-    capacity = engine.max_active
+    # With "auto" the capacity is only known once a replica has measured it: Ray's limits, set
+    # before any replica starts, assume the engine's former default (docs/deploy.md).
+    capacity = RAY_AUTO_CAPACITY if engine.max_active == "auto" else engine.max_active
     per_connection = min(options.streams_per_connection, settings.max_streams_per_connection)
     ongoing = max(1, math.ceil(capacity / per_connection))
     replicas = options.max_replicas if options.max_replicas is not None else options.replicas

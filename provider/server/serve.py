@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from intone.engine import Engine, EngineConfig
+from intone.engine.pacing import PACING_MODES
 from intone.engine.precision import DTYPES
 from intone.provider.registry import model_key
 from intone.provider.server.access import LOOPBACK_HOSTS, is_loopback
@@ -275,6 +276,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         engine_config=EngineConfig(
             device=args.device,
             dtype=args.dtype,
+            pacing=args.pacing,
             max_active=args.max_active,
             max_queued=args.max_queued,
             kv_memory_mb=args.kv_memory_mb,
@@ -310,8 +312,20 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     )
 
 
+def max_active_arg(value: str) -> int | str:
+    """`--max-active`: "auto" (measured at start) or a number of rows."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got {value!r}") from None
+
+
 def add_serve_command(commands: Any) -> None:
-    """`intone serve` and its flags, on the `intone` command's subparsers."""
+    """`intone serve` and its flags, on the `intone` command's subparsers. Defaults are
+    `EngineConfig`'s and `ServerSettings`' own, except where the server differs (said so)."""
+    engine, settings = EngineConfig(), ServerSettings()
     serve = commands.add_parser(
         "serve",
         help="run the server: WebSocket streaming, OpenAI-compatible /v1/audio/speech, demo "
@@ -355,7 +369,7 @@ def add_serve_command(commands: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (0: any free)")
     serve.add_argument(
-        "--drain-timeout", type=float, default=30.0,
+        "--drain-timeout", type=float, default=settings.drain_timeout,
         help="seconds in-flight streams get to finish on SIGTERM before they are cancelled",
     )  # fmt: skip
     serve.add_argument("--log-json", action="store_true", help="JSON-lines logs")
@@ -389,34 +403,57 @@ def add_serve_command(commands: Any) -> None:
         help="trusted proxies (addresses or networks such as 10.0.0.0/8; '*': any) whose "
         "X-Forwarded-For / Forwarded header names the client, for per-client limits and logs",
     )  # fmt: skip
-    serve.add_argument("--max-connections", type=int, default=512, help="server-wide; 0: no limit")
     serve.add_argument(
-        "--max-streams-per-client", type=int, default=128,
+        "--max-connections", type=int, default=settings.max_connections,
+        help="server-wide; 0: no limit",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-streams-per-client", type=int, default=settings.max_streams_per_client,
         help="concurrent streams per API key (or client address without keys); 0: no limit",
     )  # fmt: skip
     serve.add_argument(
-        "--max-chars-per-minute", type=int, default=0,
+        "--max-chars-per-minute", type=int, default=settings.max_chars_per_minute,
         help="text per API key (or client address) per minute; 0: no limit",
     )  # fmt: skip
-    serve.add_argument("--max-streams-per-connection", type=int, default=32)
-    serve.add_argument("--max-message-bytes", type=int, default=64 * 1024)
-    serve.add_argument("--max-request-bytes", type=int, default=256 * 1024)
-    serve.add_argument("--max-text-chars", type=int, default=20_000, help="text per stream")
-    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="S")
-    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S")
-    serve.add_argument("--ws-idle-timeout", type=float, default=300.0, metavar="S")
-    serve.add_argument("--max-stream-seconds", type=float, default=1200.0, metavar="S")
     serve.add_argument(
-        "--max-buffered-audio", type=float, default=10.0, metavar="S",
+        "--max-streams-per-connection", type=int, default=settings.max_streams_per_connection
+    )  # fmt: skip
+    serve.add_argument("--max-message-bytes", type=int, default=settings.max_message_bytes)
+    serve.add_argument("--max-request-bytes", type=int, default=settings.max_request_bytes)
+    serve.add_argument(
+        "--max-text-chars", type=int, default=engine.max_text_chars, help="text per stream"
+    )  # fmt: skip
+    serve.add_argument("--header-timeout", type=float, default=settings.header_timeout, metavar="S")
+    serve.add_argument("--body-timeout", type=float, default=settings.body_timeout, metavar="S")
+    serve.add_argument(
+        "--ws-idle-timeout", type=float, default=settings.ws_idle_timeout, metavar="S"
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-stream-seconds", type=float, default=settings.max_stream_seconds, metavar="S"
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-buffered-audio", type=float, default=settings.max_buffered_audio, metavar="S",
         help="seconds of audio queued per stream for a client before generation waits",
     )  # fmt: skip
     serve.add_argument(
-        "--slow-client-timeout", type=float, default=30.0, metavar="S",
+        "--slow-client-timeout", type=float, default=settings.slow_client_timeout, metavar="S",
         help="drop a client that takes no audio for this long (WebSocket close 4409); end a"
         " stream paced by playback reports that gets none for this long while it waits",
     )  # fmt: skip
-    serve.add_argument("--max-active", type=int, default=16, help="requests generating at once")
-    serve.add_argument("--max-queued", type=int, default=256, help="requests waiting to start")
+    serve.add_argument(
+        "--max-active", type=max_active_arg, default=engine.max_active, metavar="N|auto",
+        help="requests generating at once; auto (the default): the real-time capacity of this "
+        "model on this machine, measured at start (logged, and in /stats)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--pacing", choices=PACING_MODES, default=engine.pacing,
+        help="what a stream more than lead_s ahead of its listener may take: yield (only compute "
+        "no stream nearer its listener needs; an idle server renders as fast as it can), hold "
+        "(nothing until the listener catches up) or off",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-queued", type=int, default=engine.max_queued, help="requests waiting to start"
+    )  # fmt: skip
     serve.add_argument(
         "--max-rows-per-tenant", type=int, default=0, metavar="N",
         help="generating rows one caller (API key, or client address) may hold while others "
@@ -428,10 +465,10 @@ def add_serve_command(commands: Any) -> None:
         default=30.0,
         help="seconds a stream may go without text or audio before it ends (0: never)",
     )
-    serve.add_argument("--kv-memory-mb", type=float, default=256.0)
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--kv-memory-mb", type=float, default=engine.kv_memory_mb)
+    serve.add_argument("--device", default=engine.device)
     serve.add_argument(
-        "--dtype", choices=DTYPES, default="auto",
+        "--dtype", choices=DTYPES, default=engine.dtype,
         help="precision policy: auto (on a CPU: int8 linear layers, the fastest within the fast "
         "path's tolerance), float32 (equal to the reference within 1e-4), bfloat16",
     )  # fmt: skip

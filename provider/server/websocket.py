@@ -11,7 +11,8 @@ while `max_buffered_audio` seconds of it wait to be sent (or, with `playback` re
 is that far ahead of the listener); a send that does not complete within `slow_client_timeout`
 drops the connection (close 4409) and releases its streams; a stream paced by `playback`
 reports that has waited that long on its listener with no new report ends with `slow_client`
-(the engine holds it `lead_s` ahead of the last report, well inside the buffer); a
+(the engine gives it compute only nobody else needs past `lead_s` ahead of the last report,
+and with pacing "hold" none, so it waits within the buffer); a
 connection with no stream that sends nothing for `ws_idle_timeout` is closed (4408); a stream
 older than `max_stream_seconds` ends with `stream_timeout`. The runtime's watchdog calls
 `watch()` for the timeouts.
@@ -260,7 +261,8 @@ class Connection:
 
     def _watch_playback(self, stream: WsStream, now: float) -> None:
         """A stream paced by `playback` reports makes no audio while it is far ahead of the
-        last one (the engine holds it `lead_s` ahead, the pump `max_buffered_audio` ahead):
+        last one (the pump holds it `max_buffered_audio` ahead; with pacing "hold" the engine
+        `lead_s` ahead):
         after `slow_client_timeout` held with no new report it ends with `slow_client`."""
         reported_at, ahead = stream.reported_at, stream.unheard()
         if reported_at is None or ahead is None:

@@ -88,3 +88,18 @@ def test_stages_smoke(tiny_checkpoint: Path, tmp_path: Path):
         (name, context) for name in variants for context in (10, 30)
     }
     assert all(0 < r["cpu_ms_min"] <= r["cpu_ms_median"] for r in compared)
+
+
+def test_idle_request_smoke(tiny_checkpoint: Path, tmp_path: Path):
+    """bench/idle_request.py: a server per pacing mode, the long request over both endpoints,
+    and the server's own pacing figures in the output."""
+    out = tmp_path / "idle.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "idle_request.py"), "--model", str(tiny_checkpoint)]
+    cmd += ["--chars", "120", "--pacing", "yield", "--max-active", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["pacing"] == "yield" and run["engine"]["max_active"] == 4
+    for endpoint in ("websocket", "openai"):
+        assert run[endpoint]["audio_s"] > 0 and run[endpoint]["x_real_time"] > 0, run
+    assert "yield" in proc.stdout and "x real time" in proc.stdout

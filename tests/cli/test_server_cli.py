@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from intone.engine import EngineConfig
 from intone.provider.cli import build_parser
 from intone.provider.server.serve import options_from_args
+from intone.provider.server.settings import ServerSettings
 
 
 def test_serve_defaults():
@@ -14,6 +16,31 @@ def test_serve_defaults():
     assert (options.host, options.port) == ("127.0.0.1", 8000)
     assert options.settings.drain_timeout == 30.0
     assert not options.log_json
+    # The engine's own defaults, the server's settings' own: not repeated in the CLI.
+    engine, settings = EngineConfig(), ServerSettings()
+    assert options.engine_config.max_active == engine.max_active == "auto"
+    assert options.engine_config.pacing == engine.pacing == "yield"
+    for name in ("max_queued", "kv_memory_mb", "max_text_chars", "device", "dtype"):
+        assert getattr(options.engine_config, name) == getattr(engine, name), name
+    assert options.settings == settings
+
+
+@pytest.mark.parametrize("pacing", ["yield", "hold", "off"])
+def test_serve_pacing(pacing):
+    options = options_from_args(build_parser().parse_args(["serve", "--pacing", pacing]))
+    assert options.engine_config.pacing == pacing
+    options.engine_config.validate()
+
+
+def test_serve_max_active_is_auto_or_a_number(capsys):
+    parse = build_parser().parse_args
+    assert options_from_args(parse(["serve", "--max-active", "auto"])).engine_config.max_active == (
+        "auto"
+    )
+    assert options_from_args(parse(["serve", "--max-active", "24"])).engine_config.max_active == 24
+    for bad in (["--max-active", "lots"], ["--pacing", "fast"]):
+        with pytest.raises(SystemExit):
+            parse(["serve", *bad])
 
 
 def test_serve_options():

@@ -447,6 +447,7 @@ def test_a_decode_split_across_cores_equals_one_part_and_fails_whole(
         {"num_pages": 0},
         {"max_active": 0},
         {"lead_s": -1.0},
+        {"pacing": "fast"},
         {"idle_timeout_s": float("nan")},
         {"dtype": "int4"},
     ]

@@ -28,8 +28,9 @@ from intone.engine import (
 )
 from intone.engine import engine as engine_module
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
-from intone.engine.engine import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
+from intone.engine.engine import FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
+from intone.engine.pacing import DUE_LEAD_SHARE
 from intone.engine.sequence import Request
 
 from support.engine import (
@@ -186,7 +187,7 @@ async def test_unread_audio_is_bounded_and_resumes(make_engine, reference: Refer
 
 
 async def test_pacing_never_changes_the_audio(make_engine, reference: Reference) -> None:
-    engine = make_engine(lead_s=0.3)
+    engine = make_engine(lead_s=0.3, pacing="hold")
     floor = voice_pages(engine)
     jobs = [(TEXTS[i % 4], ("default", "second")[i % 2], options(40 + i, 0.3)) for i in range(4)]
     outcomes = await asyncio.gather(*[run_request(engine, *job) for job in jobs])
@@ -207,7 +208,7 @@ async def settled_frames(stream: Stream) -> int:
 
 
 async def test_playback_reports_pace_generation(make_engine) -> None:
-    engine = make_engine(lead_s=0.4)
+    engine = make_engine(lead_s=0.4, pacing="hold")
     stream = engine.stream(None, options(6, max_frames=60))
     stream.report_playback(0.0)
     stream.push_text(TEXTS[2])
@@ -231,7 +232,7 @@ async def test_pacing_counts_in_the_listeners_seconds(make_engine, speed: float)
     the lead, so it may rest anywhere between that and the lead.)"""
     lead_s = 0.4
     low = DUE_LEAD_SHARE * lead_s
-    engine = make_engine(lead_s=lead_s)
+    engine = make_engine(lead_s=lead_s, pacing="hold")
     stream = engine.stream(None, options(6, max_frames=60, speed=speed))
     stream.report_playback(0.0)
     stream.push_text(TEXTS[2])
@@ -429,7 +430,7 @@ def fixed_call_cost(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def recording_worker(
-    engine, paced: bool = False, max_row_frames: int = 64
+    engine, paced: bool = False, max_row_frames: int = 64, yield_after_s: float | None = None
 ) -> tuple[DecoderWorker, list[tuple[list[int], int]]]:
     """A decoder worker of its own on the engine's runner (nothing else feeds it), and the
     (slots, frames per row) of every decode call it makes. Its calls are estimated at 1 ms per
@@ -447,6 +448,7 @@ def recording_worker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
         max_frames_per_call=4, max_row_frames_per_call=max_row_frames, on_released=ignore,
         on_finished=ignore, on_failed=ignore, on_fatal=ignore, paced=paced,
+        yield_after_s=yield_after_s,
     )  # fmt: skip
     worker.row_frame_s = 0.001
     return worker, calls
@@ -601,7 +603,7 @@ async def test_a_tenant_holds_at_most_its_rows(make_engine, reference: Reference
 
 
 async def test_scheduling_metrics(make_engine) -> None:
-    engine = make_engine(lead_s=0.2)
+    engine = make_engine(lead_s=0.2, pacing="hold")
     await asyncio.gather(
         *[run_request(engine, TEXTS[2], None, options(i, max_frames=8)) for i in range(2)]
     )
@@ -658,7 +660,7 @@ async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
 ) -> None:
     """One row: a stream far ahead of playback parks at its clause end so a waiting request can
     start; it resumes once playback catches up, and neither's audio changes."""
-    engine = make_engine(max_active=1, lead_s=0.3)
+    engine = make_engine(max_active=1, lead_s=0.3, pacing="hold")
     floor = voice_pages(engine)
     ahead_opts, other_opts = options(50, 0.3, max_frames=10), options(51, 0.3, max_frames=4)
     ahead = engine.stream(None, ahead_opts)
@@ -677,6 +679,55 @@ async def test_a_stream_ahead_gives_its_row_to_a_waiting_one_and_resumes(
     check_outcome(outcome, reference, TEXTS[2], "default", ahead_opts, "paced and parked")
     check_outcome(Outcome(other_events), reference, TEXTS[0], "default", other_opts, "the other")
     await wait_idle(engine, floor)
+
+
+@pytest.mark.usefixtures("fixed_call_cost")
+async def test_streams_far_ahead_are_decoded_only_when_nobody_else_waits(make_engine) -> None:
+    """Pacing "yield": a stream more than lead_s ahead of its listener rides along with no stream
+    within it, even one with plenty buffered, and is decoded once no such stream has latents
+    waiting: in calls of at most `max_batch` row-frames (one such call is the most it delays a
+    stream that comes due)."""
+    engine = make_engine()
+    worker, calls = recording_worker(engine, paced=True, yield_after_s=1.0)
+    streams = [engine.stream(None, options(60 + i)) for i in range(3)]
+    far_a, far_b, within = [stream.request for stream in streams]
+    t = time.perf_counter()
+    for request, buffered in ((far_a, 3.0), (far_b, 3.0), (within, 0.8)):
+        request.frames_delivered = 1
+        request.playback.deliver(buffered, t)
+    backlogs = [(far_a, 4), (far_b, 4), (within, 4)]
+    await decode_backlogs(worker, calls, backlogs, calls=2)
+    # Slots are handed out in the order streams reach the worker's calls.
+    assert [(len(slots), frames) for slots, frames in calls[:2]] == [(1, 4), (2, 4)], calls
+    for stream in streams:
+        stream.cancel()
+
+
+async def test_yield_renders_past_the_lead_when_nobody_else_needs_the_compute(
+    make_engine, reference: Reference
+) -> None:
+    """A consumer that reads as fast as it can and never reports playback, alone on the engine:
+    with pacing "yield" it is never held at lead_s (the audio made past it is counted as
+    yielded, per stream and in total), with "hold" it is; the audio is the same either way."""
+    opts = options(15, 0.3, max_frames=15)  # 3 clauses of 1.2 s
+    outcomes = {}
+    for mode in ("yield", "hold"):
+        engine = make_engine(lead_s=0.3, pacing=mode)
+        stream = engine.stream(None, opts)
+        stream.push_text(TEXTS[2])
+        stream.end_input()
+        outcomes[mode] = Outcome(await asyncio.wait_for(drain(stream), TIMEOUT))
+        check_outcome(outcomes[mode], reference, TEXTS[2], "default", opts, mode)
+        yielded = stream.metrics.yielded_seconds
+        m = engine.metrics()
+        assert m["yielded_seconds"] == pytest.approx(yielded)
+        if mode == "yield":
+            assert yielded > 1.0 and m["pacing_paused_seconds"] == 0, (yielded, m)
+            families = text_string_to_metric_families(engine.prometheus().decode())
+            total = {f.name: f for f in families}["intone_yielded_seconds"].samples[0].value
+            assert total == pytest.approx(yielded)
+        else:
+            assert yielded < 0.5 and m["pacing_paused_seconds"] > 0, (yielded, m)
 
 
 @pytest.mark.usefixtures("fixed_call_cost")
@@ -747,7 +798,7 @@ async def test_rows_ahead_of_the_decoder_take_no_steps(make_engine, reference: R
 async def test_a_row_that_may_step_waits_for_one_that_must(make_engine) -> None:
     """AR steps come in bursts: a paced row a little under its lead takes no step of its own,
     and rides along when another row is due (here a new stream's)."""
-    engine = make_engine(lead_s=0.8)
+    engine = make_engine(lead_s=0.8, pacing="hold")
     frame_s = 1920 / 24000
     paced = engine.stream(None, options(13, max_frames=60))
     paced.report_playback(0.0)
@@ -783,7 +834,7 @@ async def test_a_burst_of_new_streams_is_prefilled_in_parts_beside_a_stream_near
     URGENT_S), a burst of new streams is prefilled at most `max_prefill_rows_near_underrun` at a
     time, so the playing stream's next steps come between the parts. The burst's audio is the
     single path's."""
-    engine = make_engine(lead_s=0.3, max_prefill_rows_near_underrun=parts_of)
+    engine = make_engine(lead_s=0.3, max_prefill_rows_near_underrun=parts_of, pacing="hold")
     passes: list[int] = []
     prefill = engine.runner.prefill
 

@@ -360,7 +360,9 @@ async def test_load_is_full_when_every_slot_is_taken(tiny_checkpoint: Path, tmp_
 
 
 async def test_errors_map_to_api_errors(tiny_model):
-    engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
+    # "hold": the open turn's long clause keeps the one slot (it waits for its listener).
+    config = EngineConfig(max_active=1, max_queued=1, pacing="hold")
+    engine = Engine(tiny_model, config).start()
     try:
         tts = intone.TTS(engine=engine, **FAST)
         errors = []

@@ -458,7 +458,9 @@ async def test_busy_engine_is_retried_before_the_first_audio(tiny_model):
     """A full engine is retried with backoff while the turn has no audio: when room comes the
     turn speaks; when it never does, the error is RATE_LIMIT, which Pipecat does not treat as
     permanent."""
-    engine = Engine(tiny_model, EngineConfig(max_active=1, max_queued=1)).start()
+    # "hold": the open turn's long clause keeps the one slot (it waits for its listener).
+    config = EngineConfig(max_active=1, max_queued=1, pacing="hold")
+    engine = Engine(tiny_model, config).start()
     try:
         holder = engine.stream(None, engine_options(engine, LONG_FIELDS))
         holder.push_text("This open turn takes the one batch slot, and then it waits")

@@ -315,3 +315,30 @@ async def test_the_example_client(server, tmp_path):
 
     code, stdout, stderr = await run("--speed", "5", "--out", str(out), "Hello there.")
     assert code == 1 and stderr.strip() == "error: bad_options: speed must be in [0.5, 2], got 5"
+
+
+@pytest.mark.parametrize("pacing", ["yield", "hold"])
+async def test_a_one_shot_request_renders_past_the_lead_on_an_idle_server(tiny_checkpoint, pacing):
+    """No playback reports, a client reading as fast as it can, on both endpoints: with the
+    default pacing ("yield") an idle server makes the audio past `lead_s` too (counted as
+    yielded, in the `done` metrics and the engine's), with "hold" it holds at `lead_s`."""
+    import httpx
+
+    text = "Hello there, this is the first part. And here is a second part of it. " * 2
+    config = dict(lead_s=0.3, pacing=pacing)
+    with running_server(tiny_checkpoint, engine_config=config) as (server, engine):
+        async with IntoneClient(server.url) as client:
+            stream = await client.stream(options=SEED, text=text, end=True)
+            pcm = b"".join([chunk async for chunk in stream])
+        assert len(pcm) > 0
+        yielded = stream.metrics["yielded_seconds"]
+        before = engine.metrics()["yielded_seconds"]
+        body = {"model": "tts-1", "input": text, "voice": "default", "response_format": "pcm"}
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(f"{server.url}/v1/audio/speech", json=body)
+        assert response.status_code == 200 and len(response.content) > 0
+        over_http = engine.metrics()["yielded_seconds"] - before
+    if pacing == "yield":
+        assert yielded > 0.5 and over_http > 0.5, (yielded, over_http)
+    else:
+        assert yielded < 0.3 and over_http < 0.3, (yielded, over_http)

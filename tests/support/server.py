@@ -95,6 +95,7 @@ def make_engine(checkpoint: Path, **config: Any) -> Engine:
     # As fast as the machine goes unless a test asks for playback pacing: these tests read
     # their audio as fast as it comes and wait for the end of long texts.
     config.setdefault("lead_s", None)
+    config.setdefault("max_active", 16)  # not "auto": no start-up measurement per server
     return Engine(load_model(checkpoint), EngineConfig(**config)).start()
 
 

@@ -1,0 +1,166 @@
+"""The pacing policy and the scheduler's use of it, on a fake clock: no threads, no model.
+
+Streams are `Request`s placed in the scheduler's rows mid-clause; a "step" advances the rows the
+scheduler chose by one frame, and the decoder is played by hand (frames delivered as the test
+says). Times are the fake clock's seconds, passed to `schedule(t)`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from intone.engine.block_manager import BlockManager
+from intone.engine.pacing import (
+    AHEAD_OF_DECODER_CALLS,
+    Need,
+    PacingMode,
+    PacingPolicy,
+    Playback,
+)
+from intone.engine.scheduler import Scheduler
+from intone.engine.sequence import Phase, Request, RequestMetrics
+
+FRAME_S = 0.08
+LEAD_S = 1.0
+
+
+def policy(mode: PacingMode = "yield", max_unread_s: float | None = 10.0) -> PacingPolicy:
+    return PacingPolicy(mode, LEAD_S, max_unread_s, FRAME_S, decode_frames=4)
+
+
+def scheduler(pacing: PacingPolicy, buckets: tuple[int, ...] | None = None) -> Scheduler:
+    # Rows mid-clause need no tensor work of the scheduler: only the buckets' padding.
+    runner = SimpleNamespace(batch_buckets=sorted(buckets) if buckets else None)
+    return Scheduler(runner, BlockManager(64, 16), 8, 2048, 16, pacing)  # type: ignore[arg-type]
+
+
+def stream(name: str, generated_s: float, played_from: float = 0.0) -> Request:
+    """A generating stream with `generated_s` of audio generated, all of it decoded, delivered
+    and read at time 0 (its listener's clock starts at `played_from`)."""
+    frames = round(generated_s / FRAME_S)
+    request = Request(
+        id=name,
+        voice="default",
+        temperature=0.7,
+        eos_threshold=0.0,
+        noise_clamp=None,
+        chain_frames=0,
+        generator=torch.Generator(),
+        metrics=RequestMetrics(submitted_at=0.0),
+        playback=Playback(),
+    )
+    request.phase = Phase.GENERATING
+    request.frames_generated = request.frames_delivered = frames
+    request.read_seconds = frames * FRAME_S
+    request.playback.deliver(frames * FRAME_S, played_from)
+    return request
+
+
+def step(requests: list[Request]) -> None:
+    """One AR step of `requests`, and the decoder keeping up with it."""
+    for request in requests:
+        request.frames_generated += 1
+        request.frames_delivered += 1
+        request.read_seconds += FRAME_S
+        request.playback.deliver(FRAME_S, 0.0)
+
+
+def run(sched: Scheduler, rows: list[Request], t: float) -> list[Request]:
+    sched.running = rows
+    return sched.schedule(t).generate
+
+
+def test_the_lead_is_generated_audio_less_the_listeners_clock() -> None:
+    pacing = policy()
+    request = stream("a", 3.2)
+    # No report: a real-time clock from the first delivered sample, however fast it is read.
+    assert pacing.lead(request, 0.5) == pytest.approx(2.7)
+    assert pacing.ahead(request, 0.5) and not pacing.held(request, 0.5)
+    request.playback.report(2.5, 0.5)  # a report replaces the clock: it stands until the next
+    assert pacing.lead(request, 10.0) == pytest.approx(0.7)
+    assert not pacing.ahead(request, 10.0)
+
+
+def test_a_far_ahead_stream_steps_alone_and_not_while_one_within_lead_is_due() -> None:
+    pacing = policy("yield")
+    sched = scheduler(pacing)
+    far = stream("far", 3.2)  # 3.2 s generated, listener at 0.1 s: far ahead
+    t = 0.1
+    assert pacing.need(far, t, generating=True) is Need.SPARE
+    # Alone: nothing within lead_s needs the compute, so it steps, step after step.
+    for _ in range(5):
+        assert run(sched, [far], t) == [far]
+        step([far])
+    # A stream within lead_s that is due: the far one takes no step while it is.
+    near = stream("near", 0.2)
+    steps_of_far = 0
+    while pacing.need(near, t, generating=True) is Need.NOW:
+        batch = run(sched, [far, near], t)
+        assert near in batch
+        steps_of_far += far in batch
+        step(batch)
+    assert steps_of_far == 0
+    # Once nothing within lead_s is due (the near stream's burst over), the far one steps again.
+    for _ in range(50):
+        batch = run(sched, [far, near], t)
+        step(batch)
+        if far in batch:
+            break
+        assert batch == [near]
+    assert far in batch and pacing.need(near, t, generating=True) is not Need.NOW
+
+
+def test_hold_takes_no_step_far_ahead_and_off_steps_in_every_burst() -> None:
+    far, near = stream("far", 3.2), stream("near", 0.2)
+    hold = scheduler(policy("hold"))
+    assert run(hold, [far], 0.1) == []
+    assert run(hold, [far, near], 0.1) == [near]
+    off = scheduler(policy("off"))
+    assert run(off, [far], 0.1) == [far]
+    assert set(run(off, [far, near], 0.1)) == {far, near}
+
+
+def test_a_far_ahead_stream_fills_a_bucketed_steps_padding_rows() -> None:
+    """With batch buckets a step of one row runs as 4 anyway: the far stream takes a free row."""
+    sched = scheduler(policy("yield"), buckets=(4, 8))
+    far, near = stream("far", 3.2), stream("near", 0.2)
+    assert set(run(sched, [far, near], 0.1)) == {far, near}
+
+
+def test_unread_audio_holds_a_stream_in_every_mode() -> None:
+    for mode in ("yield", "hold", "off"):
+        pacing = policy(mode, max_unread_s=1.0)
+        request = stream("a", 0.4)
+        request.read_seconds = 0.0
+        assert not pacing.held(request, 0.0)
+        request.frames_generated += round(1.0 / FRAME_S)  # 1.4 s generated, none read
+        assert pacing.held(request, 0.0) and pacing.need(request, 0.0, True) is Need.NONE, mode
+
+
+def test_a_stream_far_ahead_of_its_decoder_takes_no_step() -> None:
+    pacing = policy("yield")
+    request = stream("a", 3.2)
+    request.frames_generated += AHEAD_OF_DECODER_CALLS * pacing.decode_frames
+    assert pacing.need(request, 0.1, generating=True) is Need.NONE
+
+
+def test_a_far_ahead_streams_next_clause_waits_for_nobody_else_needing_the_pass() -> None:
+    """Between clauses a far-ahead stream's prompt pass is not packed with a new stream's: it
+    runs in an iteration where nothing else is prefilled or due."""
+    pacing = policy("yield")
+    far, new = stream("far", 3.2), stream("new", 0.0)
+    far.phase = new.phase = Phase.PREFILL
+    far.prompt = new.prompt = torch.zeros(10, 4)
+    sched = scheduler(pacing)
+    sched.running = [far, new]
+    assert sched.schedule(0.1).prefill == [new]
+    new.phase = Phase.GENERATING  # the new stream's pass ran: it is due (no audio yet)
+    new.prompt = None
+    assert sched.schedule(0.1).prefill == []
+    new.frames_generated = new.frames_delivered = round(1.5 / FRAME_S)
+    new.playback.deliver(1.5, 0.0)  # now past lead_s too: nothing else needs the pass
+    batch = sched.schedule(0.1)
+    assert batch.prefill == [far] and new in batch.generate
