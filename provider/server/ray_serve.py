@@ -38,7 +38,6 @@ Ray is an optional dependency (`pip install 'intone[ray]'`): this module imports
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import math
@@ -445,79 +444,3 @@ def serve_ray(serve_options: Any, ray_options: RayOptions) -> None:
             serve.shutdown()
             ray.shutdown()
         logger.info("bye")
-
-
-# ---- command line (`add_serve_command` in serve.py adds these to `intone serve`)
-
-
-def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Ray Serve (--ray; needs `pip install 'intone[ray]'`)")
-    group.add_argument(
-        "--ray", action="store_true", help="serve as Ray Serve replicas, one engine each"
-    )
-    group.add_argument(
-        "--ray-address", default=None, help="a running Ray cluster (default: start one here)"
-    )
-    group.add_argument("--replicas", type=int, default=1, help="fixed replica count")
-    group.add_argument("--min-replicas", type=int, default=None, help="autoscaling range: min")
-    group.add_argument("--max-replicas", type=int, default=None, help="autoscaling range: max")
-    group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica")
-    group.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica")
-    group.add_argument(
-        "--ray-streams-per-connection",
-        type=int,
-        default=4,
-        help="concurrent streams per WebSocket connection under Ray (a connection is one Ray "
-        "request; replica limits are derived from this and --max-active)",
-    )
-    group.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="connections/requests waiting for a replica, per proxy (default: what all "
-        "replicas hold); past it the proxy answers 503",
-    )
-    group.add_argument(
-        "--target-load",
-        type=float,
-        default=0.7,
-        help="autoscaling: wanted engine occupancy per replica, 0-1",
-    )
-
-
-def ray_options_from_args(args: argparse.Namespace) -> RayOptions:
-    return RayOptions(
-        address=args.ray_address,
-        replicas=args.replicas,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
-        num_cpus=args.replica_cpus,
-        num_gpus=args.replica_gpus,
-        streams_per_connection=args.ray_streams_per_connection,
-        max_queued_requests=args.max_queued_requests,
-        target_load=args.target_load,
-    )
-
-
-def app_builder(args: dict[str, Any]) -> Any:
-    """Ray Serve application builder, for `serve run` and KubeRay's RayService.
-
-    import_path `intone.provider.server.ray_serve:app_builder`; `args` are `intone serve`'s
-    flags without the dashes (`model`, `voices`, `replicas`, `max_active`, ...; true for a
-    switch), parsed by the same parser, so both ways of deploying take the same options.
-    """
-    from intone.provider.cli import build_parser
-    from intone.provider.server.serve import options_from_args
-
-    argv = ["serve", "--ray"]
-    for key, value in args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, list):  # a repeatable flag: model, api_key, voice_alias, ...
-            for item in value:
-                argv += [flag, str(item)]
-        elif value is not False and value is not None:
-            argv += [flag, str(value)]
-    parsed = build_parser().parse_args(argv)
-    return build_deployment(options_from_args(parsed), ray_options_from_args(parsed))

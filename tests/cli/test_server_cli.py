@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from intone.engine import EngineConfig
-from intone.provider.cli import build_parser
-from intone.provider.server.serve import options_from_args
+from intone.provider.cli import build_parser, options_from_args
 from intone.provider.server.settings import ServerSettings
 
 

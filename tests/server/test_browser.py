@@ -599,6 +599,11 @@ async def test_demo_page_uploads_records_and_deletes_voices(
                 assert voice["id"] not in {v["id"] for v in listed}
                 assert cdp.exceptions == [], cdp.exceptions
                 cdp.reader.cancel()
+        # The recorded voice is still stored: deleting it gives its pages back too.
+        listed = httpx.get(f"{server.url}/v1/voices").json()["voices"]
+        for stored in listed:
+            if stored["name"] == "mic":
+                assert httpx.delete(f"{server.url}/v1/voices/{stored['id']}").status_code == 204
         await wait_engine_idle(engine, pages)
 
 

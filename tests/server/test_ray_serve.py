@@ -27,11 +27,11 @@ import yaml  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 
 from intone.engine import EngineConfig  # noqa: E402
+from intone.provider.cli import app_builder  # noqa: E402
 from intone.provider.client import IntoneClient, IntoneConnectionError  # noqa: E402
 from intone.provider.server.ray_serve import (  # noqa: E402
     REPLICA_HEADER,
     RayOptions,
-    app_builder,
     build_deployment,
     engine_load_policy,
     ray_limits,
@@ -106,7 +106,7 @@ def test_rayservice_manifest():
     serve_config = yaml.safe_load(spec["serveConfigV2"])
     schema = ServeDeploySchema.model_validate(serve_config)
     app = schema.applications[0]
-    assert app.import_path == "intone.provider.server.ray_serve:app_builder"
+    assert app.import_path == "intone.provider.cli:app_builder"
     assert app.route_prefix == "/"
     # KubeRay's v1 RayServiceSpec / RayClusterSpec field names (deprecated ones refused).
     assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy"}
