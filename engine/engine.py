@@ -189,8 +189,8 @@ class EngineConfig:
     # builds, or False, torch runs them; the two paths agree to ~1e-6.
     native_kernels: bool = True
     default_chain_frames: int = 4
+    # Later clauses' minimum; the first clause's policy is per stream (`GenerationOptions`).
     clause_min_tokens: int = 6
-    clause_first_min_tokens: int = 4
     clause_max_tokens: int = 50
 
     def validate(self) -> None:
@@ -539,7 +539,8 @@ class Engine:
         splitter = ClauseSplitter(
             self.loaded.tokenizer,
             min_tokens=self.config.clause_min_tokens,
-            first_min_tokens=self.config.clause_first_min_tokens,
+            first_clause_min_words=options.first_clause_min_words,
+            first_clause_max_wait_ms=options.first_clause_max_wait_ms,
             max_tokens=self.config.clause_max_tokens,
         )
         stream = Stream(self, request, splitter)

@@ -53,6 +53,10 @@ class Stream:
         # Speed and clause/word timing, applied as events reach the caller.
         self._timeline = Timeline.for_stream(engine.loaded, request.options)
         self._ready: deque[AudioChunk | ClauseDone] = deque()
+        # The first clause's wait (`ClauseSplitter.deadline`) as a loop timer, so that the cut
+        # comes even if no more text does.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_for: float | None = None  # the deadline it was set for
 
     @property
     def id(self) -> str:
@@ -71,6 +75,7 @@ class Stream:
         self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
+        self._arm_timer()
 
     async def push_long_text(self, text: str) -> None:
         """`push_text` for text that may be long (a document, not LLM tokens): the same
@@ -97,16 +102,19 @@ class Stream:
         """End the current clause here, whatever its length."""
         self._check_open()
         self._submit(self._splitter.flush())
+        self._arm_timer()
 
     def end_input(self) -> None:
         self._check_open()
         if not self._has_text:
             raise EmptyTextError("no text was pushed: nothing to synthesise")
         self._submit(self._splitter.end(), end=True)
+        self._disarm_timer()
 
     def cancel(self) -> None:
         """Stop now: no audio is delivered after this returns; engine state is released."""
         self._closed = True
+        self._disarm_timer()
         self._engine.cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
@@ -143,6 +151,35 @@ class Stream:
     def _check_open(self) -> None:
         if self._closed or self.request.input_ended:
             raise StreamClosedError(f"stream {self.id} no longer takes input")
+
+    def _arm_timer(self) -> None:
+        deadline = self._splitter.deadline
+        if deadline is None or deadline == self._timer_for:
+            return  # no wait running, or its timer is set (or has fired)
+        self._disarm_timer()
+        self._timer_for = deadline
+        delay = max(0.0, deadline - self._splitter.clock())
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _disarm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        """The first clause's wait ran out: cut it at its last word boundary."""
+        self._timer = None
+        if self._closed or self.request.input_ended:
+            return
+        try:
+            self._submit(self._splitter.poll())
+        except Exception as e:  # a clause that cannot be planned ends this stream, typed
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        self._disarm_timer()
+        self._engine.cancel(self.request)
+        self._deliver(error)
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []

@@ -479,6 +479,34 @@ async def test_bad_options_are_refused_where_they_are_set(engine: Engine, tiny_c
     await tts.aclose()
 
 
+@pytest.mark.parametrize("remote", [False, True])
+async def test_first_clause_policy_is_an_option(
+    engine: Engine, tiny_checkpoint: Path, server_url: str, remote: bool
+):
+    """`first_clause_min_words` decides how the turn is cut, in-process and remote (the
+    server's `start.options`): every clause is 8 frames here, so the audio counts the clauses."""
+    text = "Hmm, I do not see that booking here. Could you spell it?"
+    where = {"base_url": server_url} if remote else {"model": tiny_checkpoint}
+    tts = intone.TTS(**where, first_clause_min_words=1, first_clause_max_wait_ms=10_000, **FAST)
+    clauses = {}
+    for words in (1, 5):
+        if words != 1:
+            tts.update_options(first_clause_min_words=words)
+        stream = tts.stream()
+        for i, word in enumerate(text.split(" ")):
+            stream.push_text(word if i == 0 else " " + word)
+        stream.end_input()
+        seconds = sum([event.frame.duration async for event in stream])
+        clauses[words] = round(seconds / (8 * FRAME_SECONDS))
+        await stream.aclose()
+    assert clauses == {1: 3, 5: 2}  # "Hmm," | ... against "Hmm, I do not see that booking here."
+    with pytest.raises(InvalidOptionError, match="first_clause_min_words"):
+        tts.update_options(first_clause_min_words=0)
+    with pytest.raises(InvalidOptionError, match="first_clause_max_wait_ms"):
+        intone.TTS(**where, first_clause_max_wait_ms=10_001)
+    await tts.aclose()
+
+
 async def test_a_refused_piece_of_text_is_dropped_and_the_turn_speaks_on(
     engine: Engine, tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ):

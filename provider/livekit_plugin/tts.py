@@ -7,8 +7,8 @@ together. That needs the jobs in one process: run the worker with
 would load its own engine; run `intone serve` once and use `TTS(base_url=...)` instead.
 
 `stream()` sends all of a turn's text into one engine stream as one segment, token by token; the
-engine cuts it into clauses (short first clause for a quick start) and chains them, so there is
-no sentence tokenizer in front of it.
+engine cuts it into clauses (a short first clause for a quick start: `first_clause_min_words`,
+`first_clause_max_wait_ms`) and chains them, so there is no sentence tokenizer in front of it.
 
 Languages: `TTS(language="fr")` speaks with that language's model (`french_24l`; one model per
 language, `intone models`), `TTS(model=...)` with any model; `update_options(language=...)` or
@@ -83,6 +83,8 @@ class _TTSOptions:
     chain_frames: int | None
     speed: float | None
     normalize: bool | None
+    first_clause_min_words: int | None
+    first_clause_max_wait_ms: float | None
 
     def __post_init__(self) -> None:
         # Here, so that TTS(speed=5) and update_options(speed=5) raise InvalidOptionError (a
@@ -117,6 +119,8 @@ class TTS(tts.TTS):
         chain_frames: int | None = None,
         speed: float | None = None,
         normalize: bool | None = None,
+        first_clause_min_words: int | None = None,
+        first_clause_max_wait_ms: float | None = None,
     ) -> None:
         """Create intone TTS.
 
@@ -142,6 +146,11 @@ class TTS(tts.TTS):
             normalize: read numbers, prices, dates, times, URLs... as words (the engine's
                 `normalize_text`); None is on. Markdown and emoji are left to LiveKit's own
                 `tts_text_transforms`, which run before the text gets here.
+            first_clause_min_words, first_clause_max_wait_ms: the first-clause policy: a
+                turn's first clause may end at the first clause boundary after this many words
+                (1-50; None: 1), or, with none by then, at the last word boundary this many
+                milliseconds after the turn's first text (0-10,000; None: 100). Lower is earlier
+                audio with less text for the first clause's prosody (docs/providers.md).
 
         Word timing: every clause's words reach LiveKit as `TimedString`s
         (`aligned_transcript=True`), with the engine's estimated times (token-weighted within
@@ -149,8 +158,8 @@ class TTS(tts.TTS):
         interrupted turn keeps only the words that were heard.
 
         TTFB: LiveKit measures it from the first text sent to this TTS to the first audio frame
-        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (4
-        tokens, or a flush), the engine's admission queue and its first frame.
+        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (the
+        first-clause policy above, or a flush), the engine's admission queue and its first frame.
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
@@ -174,6 +183,8 @@ class TTS(tts.TTS):
             chain_frames=chain_frames,
             speed=speed,
             normalize=normalize,
+            first_clause_min_words=first_clause_min_words,
+            first_clause_max_wait_ms=first_clause_max_wait_ms,
         )
         # Streams in flight, so that aclose() can close them (with their event loop: an
         # instance may serve several, one per job in the thread executor).
@@ -222,6 +233,8 @@ class TTS(tts.TTS):
         chain_frames: NotGivenOr[int | None] = NOT_GIVEN,
         speed: NotGivenOr[float | None] = NOT_GIVEN,
         normalize: NotGivenOr[bool | None] = NOT_GIVEN,
+        first_clause_min_words: NotGivenOr[int | None] = NOT_GIVEN,
+        first_clause_max_wait_ms: NotGivenOr[float | None] = NOT_GIVEN,
     ) -> None:
         """Change the options of streams created from now on (streams in flight keep theirs).
 
@@ -246,6 +259,8 @@ class TTS(tts.TTS):
             "chain_frames": chain_frames,
             "speed": speed,
             "normalize": normalize,
+            "first_clause_min_words": first_clause_min_words,
+            "first_clause_max_wait_ms": first_clause_max_wait_ms,
         }
         self._opts = replace(self._opts, **{k: v for k, v in given.items() if is_given(v)})
 
