@@ -508,7 +508,7 @@ async def _pump(
     progress: _Progress,
 ) -> None:
     """Move the engine's audio to the emitter as int16 PCM until the request ends."""
-    framer = _Framer(resampler.out_rate)
+    framer = Framer(resampler.out_rate)
     events = speech.__aiter__()
     # The wait for the next event outlives a timeout that turns out to be harmless: cancelling
     # it would close a remote stream's async generator.
@@ -528,8 +528,7 @@ async def _pump(
             except StopAsyncIteration:
                 break
             if isinstance(event, AudioChunk):
-                frame = framer.push(resampler.process(event.samples))
-                if frame is not None:
+                for frame in framer.push(resampler.process(event.samples)):
                     output_emitter.push_frame(frame)
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
@@ -544,40 +543,56 @@ async def _pump(
     finally:
         if pending is not None:
             pending.cancel()
-    frame = framer.finish(resampler.finish())
-    if frame is not None:
+    for frame in framer.finish(resampler.finish()):
         output_emitter.push_frame(frame)
 
 
-class _Framer:
-    """Engine audio into frames for the emitter, none shorter than `MIN_FRAME_S` except the final.
+class Framer:
+    """Engine audio into frames for the emitter such that every non-final frame LiveKit sends is
+    longer than 50 ms and shorter than 250 ms, strictly (LiveKit's own plugin tests hold them to
+    that).
 
-    The emitter keeps the last 10 ms of what it is given to mark the segment's end, and re-cuts
-    pushed bytes into 10, 40, 80, 160 ms frames first. Frames given whole, with `HOLD_S` held back
-    so that the end of the segment always has enough audio to close on, keep every non-final
-    frame in LiveKit's 50-250 ms, at the cost of the first frame waiting for 2 * 50 ms of audio.
+    The emitter holds back the last 10 ms of what it is given (to mark the segment's last audio
+    final) and sends the rest: a frame pushed after another goes out at its own length, the first
+    one 10 ms shorter. So frames are pushed at 51-200 ms (the first at 61 ms or more), and 51 ms
+    is kept back until the end, so that the last frame, made of what is held and the resampler's
+    tail, is long enough too (a long remainder is split in equal parts under 200 ms). The first
+    frame waits for 112 ms of audio: two Mimi frames, the engine's first delivery. A segment of
+    less than 61 ms of audio has one short frame (no clause is that short unless `max_frames`
+    makes it so).
     """
 
-    MIN_FRAME_S = 0.05
-    HOLD_S = 0.05
+    MAX_FRAME_S = 0.2
+    MIN_FRAME_S = 0.05  # exclusive
 
     def __init__(self, sample_rate: int) -> None:
         self.sample_rate = sample_rate
-        self._hold = round(self.HOLD_S * sample_rate)
-        self._min = round(self.MIN_FRAME_S * sample_rate) + self._hold
+        self._tail = sample_rate * 10 // 1000  # the emitter's `_TAIL_SAMPLES`
+        self._min = round(self.MIN_FRAME_S * sample_rate) + 1
+        self._max = round(self.MAX_FRAME_S * sample_rate)
+        self._hold = self._min  # the end needs a frame of its own
         self._buffer = np.zeros(0, dtype=np.float32)
+        self._pushed = False
 
-    def push(self, samples: np.ndarray) -> rtc.AudioFrame | None:
+    def push(self, samples: np.ndarray) -> list[rtc.AudioFrame]:
         self._buffer = np.concatenate([self._buffer, samples])
-        if len(self._buffer) < self._min:
-            return None
-        out, self._buffer = self._buffer[: -self._hold], self._buffer[-self._hold :]
-        return self._frame(out)
+        frames = []
+        while True:
+            shortest = self._min if self._pushed else self._min + self._tail
+            n = min(len(self._buffer) - self._hold, self._max)
+            if n < shortest:
+                return frames
+            frames.append(self._frame(self._buffer[:n]))
+            self._buffer = self._buffer[n:]
+            self._pushed = True
 
-    def finish(self, tail: np.ndarray) -> rtc.AudioFrame | None:
+    def finish(self, tail: np.ndarray) -> list[rtc.AudioFrame]:
         out = np.concatenate([self._buffer, tail])
         self._buffer = np.zeros(0, dtype=np.float32)
-        return self._frame(out) if len(out) else None
+        if not len(out):
+            return []
+        parts = -(-len(out) // self._max)
+        return [self._frame(part) for part in np.array_split(out, parts)]
 
     def _frame(self, samples: np.ndarray) -> rtc.AudioFrame:
         return rtc.AudioFrame(
