@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions
@@ -250,7 +251,7 @@ def test_the_policy_options_are_checked_like_every_other():
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint: Path) -> Iterator[Engine]:
-    engine = Engine(load_model(tiny_checkpoint), EngineConfig(num_pages=512)).start()
+    engine = Engine(load_model(tiny_checkpoint), EngineConfig(num_pages=512, lead_s=None)).start()
     yield engine
     engine.close()
 
@@ -307,3 +308,75 @@ async def test_a_stall_mid_turn_cuts_once_and_the_turn_goes_on(engine: Engine):
     words = [w for d in done for w in d.words]
     assert [w.word for w in words] == text.split()
     assert all(a.start <= a.end <= b.start + 1e-9 for a, b in zip(words, words[1:], strict=False))
+
+
+# ---- seams (issue 47, item 4)
+
+
+def assert_seamless(audio: np.ndarray, seams: list[int]) -> None:
+    """No jump at a seam larger than the largest sample-to-sample step inside the clauses, and
+    the spectral flux of every frame across a seam within the 99th percentile of the turn's."""
+    steps = np.abs(np.diff(audio))
+    inside = np.ones(len(steps), dtype=bool)
+    inside[[s - 1 for s in seams]] = False
+    largest = steps[inside].max()
+    for seam in seams:
+        assert steps[seam - 1] <= largest, (seam, steps[seam - 1], largest)
+    win, hop = 960, 480  # 40 ms windows, 20 ms apart
+    starts = np.arange(0, len(audio) - win, hop)
+    spectra = np.abs(np.fft.rfft(audio[starts[:, None] + np.arange(win)] * np.hanning(win)))
+    flux = np.sqrt((np.maximum(spectra[1:] - spectra[:-1], 0) ** 2).sum(axis=1))
+    limit = np.percentile(flux, 99)
+    for seam in seams:
+        across = [i for i, start in enumerate(starts[1:]) if start < seam < start + win]
+        assert across and flux[across].max() <= limit, (seam, flux[across].max(), limit)
+
+
+async def seam_turn(engine: Engine) -> tuple[np.ndarray, list[ClauseDone]]:
+    """A turn cut by the policy both ways: a one-word first clause ("Hmm,"); then, after a
+    flush, a first clause cut by its wait in mid-sentence; then later clauses."""
+    stream = engine.stream(
+        None, GenerationOptions(temperature=0.0, seed=4, max_frames=20, first_clause_max_wait_ms=20)
+    )
+    events: list = []
+    it = stream.__aiter__()
+    for token in llm_tokens("Hmm, I don't see a reservation under that name."):
+        stream.push_text(token)
+    stream.flush()
+    await next_done(events, it)
+    await next_done(events, it)
+    stream.push_text(" Could you spell your")
+    assert (await next_done(events, it)).text == "Could you spell"  # the wait's cut
+    for token in llm_tokens(" last name for me, please? I will look again."):
+        stream.push_text(token)
+    stream.end_input()
+    async with asyncio.timeout(60):
+        events += [event async for event in it]
+    audio = np.concatenate([e.samples for e in events if isinstance(e, AudioChunk)])
+    return audio, [e for e in events if isinstance(e, ClauseDone)]
+
+
+async def test_seams_of_a_turn_cut_by_the_policy_are_continuous(engine: Engine):
+    audio, done = await seam_turn(engine)
+    assert done[0].text == "Hmm,"
+    assert len(done) >= 5
+    seams = [d.start_sample for d in done[1:]]
+    assert_seamless(audio, seams)
+    # The check can fail: the same audio with 10 ms of silence at a seam, or with the rest of
+    # the turn's waveform flipped there (a jump), is not seamless.
+    for broken in (
+        np.concatenate([audio[: seams[1]], np.zeros(240, np.float32), audio[seams[1] :]]),
+        np.concatenate([audio[: seams[1]], -audio[seams[1] :]]),
+    ):
+        with pytest.raises(AssertionError):
+            assert_seamless(broken, seams[:2])
+
+
+async def test_seams_are_continuous_at_full_size(full_checkpoint: Path):
+    """The same at the full-size architecture (random weights), temperature 0."""
+    engine = Engine(load_model(full_checkpoint), EngineConfig(num_pages=512, lead_s=None)).start()
+    try:
+        audio, done = await seam_turn(engine)
+    finally:
+        engine.close()
+    assert_seamless(audio, [d.start_sample for d in done[1:]])
