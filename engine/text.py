@@ -342,6 +342,10 @@ def _has_word(text: str) -> bool:
     return any(c.isalnum() for c in text)
 
 
+def _words(text: str) -> int:
+    return sum(1 for word in text.split() if _has_word(word))
+
+
 def _is_abbreviation(core: str) -> bool:
     """Whether the period ending `core` closes an abbreviation rather than a sentence."""
     stem = core.split()[-1].lstrip(_OPENERS)[:-1].lower()
@@ -452,12 +456,16 @@ class ClauseSplitter:
         return out + self._scan(final=False)
 
     def cut_now(self) -> list[str]:
-        """Cut at the best boundary there is, whatever the clause's length: its last clause
-        punctuation, else its last word boundary (for a caller whose audio is about to run out
-        before the clause would end). Never inside a word or a number."""
-        end = self._soft_end if self._soft_end is not None else self._word_end
+        """Cut at the best boundary there is, whatever the clause's length (for a caller whose
+        audio is about to run out before the clause would end): its last clause punctuation if
+        that keeps at least half its complete words, else its last word boundary. Never inside
+        a word or a number."""
+        end = self._word_end
         if end is None or not _has_word(self._buf[:end]):
             return []
+        soft = self._soft_end
+        if soft is not None and 2 * _words(self._buf[:soft]) >= _words(self._buf[:end]):
+            end = soft
         out: list[str] = []
         self._emit(end, out)
         return out + self._scan(final=False)
@@ -581,9 +589,10 @@ class ClauseSplitter:
         if not _has_word(text):
             return False  # punctuation alone goes with the next clause
         if self._first:
-            words = sum(1 for w in text.split() if _has_word(w))
-            return words >= self.first_clause_min_words and self._count(end) <= self.max_tokens
-        return self._threshold(sentence) <= self._count(end) <= self.max_tokens
+            enough = _words(text) >= self.first_clause_min_words
+        else:
+            enough = self._threshold(sentence) <= self._count(end)
+        return enough and self._count(end) <= self.max_tokens
 
 
 def check_text(text: str) -> None:

@@ -380,3 +380,57 @@ async def test_seams_are_continuous_at_full_size(full_checkpoint: Path):
     finally:
         engine.close()
     assert_seamless(audio, [d.start_sample for d in done[1:]])
+
+
+# ---- the deadline rule (issue 47, item 3)
+
+
+def test_cut_now_takes_the_best_boundary_there_is(tiny_model: LoadedModel):
+    sp = ClauseSplitter(tiny_model.tokenizer, first_clause_min_words=1)
+    assert sp.push("Sure. ") == ["Sure."]
+    assert sp.cut_now() == []  # nothing held
+    assert sp.push("Well, I think that we") == []  # "Well," is too short for a later clause
+    assert sp.cut_now() == ["Well, I think that"]  # the comma keeps under half the words
+    assert sp.push(" do, I am look") == []
+    assert sp.cut_now() == ["we do,"]  # "I am" waits: the comma keeps half the words
+    assert sp.push("ing at 3:45 p") == []
+    assert sp.cut_now() == ["I am looking at"]  # never inside "3:45 pm"
+    assert sp.end() == ["3:45 p"]
+
+
+def played(events: list) -> float:
+    return sum(len(e.samples) for e in events if isinstance(e, AudioChunk)) / 24000
+
+
+async def test_the_deadline_rule_cuts_before_the_audio_runs_out(engine: Engine):
+    """Every clause given is spoken and the next is not complete: it is cut once the audio left
+    is within `cut_before_dry_s`, on its own timer or at a playback report, and not before."""
+    margin = engine.config.cut_before_dry_s
+    assert margin is not None
+    stream = engine.stream(None, options(first_clause_min_words=1))
+    stream.report_playback(0.0)  # the listener's position is what it reports
+    events: list = []
+    it = stream.__aiter__()
+    for token in llm_tokens("Sure. I am looking"):
+        stream.push_text(token)
+    assert (await next_done(events, it)).text == "Sure."
+    # 480 ms of audio, little played: the words wait (their timer is 100 ms away).
+    assert stream.metrics.clauses == 1
+    stream.report_playback(played(events) - margin - 0.1)
+    assert stream.metrics.clauses == 1
+    stream.report_playback(played(events) - margin + 0.01)  # now within the margin
+    assert stream.metrics.clauses == 2
+    assert (await next_done(events, it)).text == "I am"  # "looking" may go on
+    # On its own timer this time: 100 ms before the margin.
+    stream.push_text(" for the booking you made")
+    stream.report_playback(played(events) - margin - 0.1)
+    assert stream.metrics.clauses == 2
+    assert (await next_done(events, it)).text == "looking for the booking you"
+    stream.push_text(" yesterday.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        events += [event async for event in it]
+    done = [e for e in events if isinstance(e, ClauseDone)]
+    assert_words_kept(
+        "Sure. I am looking for the booking you made yesterday.", [d.text for d in done]
+    )
