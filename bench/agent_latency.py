@@ -438,17 +438,21 @@ def write_markdown(results: dict, path: Path) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
-        dry = ", ".join(f"#{d['reply']} {d['gaps_ms']} ms" for d in run["dry_turns"]) or "none"
+        dry = run["dry_turns"]
+        gaps = [g for d in dry for g in d["gaps_ms"]]
+        shown_dry = (
+            f"{len(dry)} (replies {sorted({d['reply'] for d in dry})}, longest gap {max(gaps)} ms)"
+            if dry
+            else "none"
+        )
         words = run["first_clause_words_p50"]
         shown = "-" if words is None else f"{words:g} ({run['first_clause_words_max']})"
         p50, p95 = run["p50_ms"], run["p95_ms"]
-        lines.append(
-            f"| {run['path']} | {run['rate']:g} | {run['concurrency']} | {run['turns']} "
-            f"| {p50:.0f} | {p95:.0f} | {shown} | {dry} |"
-            if p50 is not None
-            else f"| {run['path']} | {run['rate']:g} | {run['concurrency']} | {run['turns']} "
-            f"| - | - | - | errors: {run['errors'][:1]} |"
-        )
+        head = f"| {run['path']} | {run['rate']:g} | {run['concurrency']} | {run['turns']} "
+        if p50 is None:
+            lines.append(head + f"| - | - | - | errors: {run['errors'][:1]} |")
+        else:
+            lines.append(head + f"| {p50:.0f} | {p95:.0f} | {shown} | {shown_dry} |")
     path.write_text("\n".join(lines) + "\n")
 
 

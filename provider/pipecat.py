@@ -116,13 +116,10 @@ class IntoneTTSService(TTSService):
     Text aggregation: TOKEN by default. The engine cuts the stream into clauses itself, with a
     short first clause so audio starts early (settings `first_clause_min_words`,
     `first_clause_max_wait_ms`), and a clause is submitted the moment it is complete. SENTENCE
-    mode would put Pipecat's sentence aggregator in front of that: the
-    first audio would wait for a whole first sentence, and each sentence for the token that
-    confirms its end, which is latency and nothing else since the engine re-cuts the text anyway.
-    Measured from the first LLM token to the first audio, LLM at 25 ms/token, 2 CPU cores, median
-    of replies like "Sure, I can help you with that. Your order shipped yesterday...": full-size
-    model 302 ms (TOKEN) vs 549 ms (SENTENCE); tiny model 138 vs 415 ms (docs/providers.md).
-    SENTENCE still works, and clauses still chain across its sentences.
+    mode would put Pipecat's sentence aggregator in front of that: the first audio would wait for
+    a whole first sentence, and each sentence for the token that confirms its end, which is
+    latency and nothing else since the engine re-cuts the text anyway (docs/providers.md, "First
+    audio"). SENTENCE still works, and clauses still chain across its sentences.
 
     End of input: `flush_audio` (end of the LLM turn, or after a `TTSSpeakFrame`) ends the
     stream's input, so the engine finishes the last clause. Interruption: the turn's engine
