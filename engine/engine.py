@@ -197,8 +197,13 @@ class EngineConfig:
     # builds, or False, torch runs them; the two paths agree to ~1e-6.
     native_kernels: bool = True
     default_chain_frames: int = 4
+    # The deadline rule (`Stream`): a stream that has spoken every clause it was given cuts the
+    # words it holds at the best boundary there is this long before its listener would run out
+    # of audio (about a new clause's time to first audio under load); None: never (offline
+    # rendering, where nobody listens in real time).
+    cut_before_dry_s: float | None = 0.3
+    # Later clauses' minimum; the first clause's policy is per stream (`GenerationOptions`).
     clause_min_tokens: int = 6
-    clause_first_min_tokens: int = 4
     clause_max_tokens: int = 50
     # KV pool memory the voice prompts may hold while no stream uses them; past it the least
     # recently used idle voices give their pages back and are loaded again on their next stream
@@ -239,6 +244,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 or None")
+        if self.cut_before_dry_s is not None and not 0 <= self.cut_before_dry_s < math.inf:
+            raise ValueError("EngineConfig.cut_before_dry_s must be >= 0 and finite, or None")
         for name in ("idle_timeout_s", "lead_s", "max_unread_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -685,7 +692,8 @@ class Engine:
         splitter = ClauseSplitter(
             self.loaded.tokenizer,
             min_tokens=self.config.clause_min_tokens,
-            first_min_tokens=self.config.clause_first_min_tokens,
+            first_clause_min_words=options.first_clause_min_words,
+            first_clause_max_wait_ms=options.first_clause_max_wait_ms,
             max_tokens=self.config.clause_max_tokens,
         )
         stream = Stream(self, request, splitter)

@@ -35,11 +35,35 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "seed": (0, 2**63 - 1),
     "chain_frames": (0, 32),  # 2.6 s of the previous clause
     "speed": (0.5, 2.0),  # time-scale of the delivered audio; pitch is kept
+    "first_clause_min_words": (1, 50),  # a clause is at most ~50 tokens
+    "first_clause_max_wait_ms": (0.0, 10_000.0),
 }
 _OPEN_LOW = {"noise_clamp"}
-_INTEGERS = {"frames_after_eos", "max_frames", "flow_steps", "seed", "chain_frames"}
+_INTEGERS = {
+    "frames_after_eos",
+    "max_frames",
+    "flow_steps",
+    "seed",
+    "chain_frames",
+    "first_clause_min_words",
+}
 _BOOLEANS = {"normalize"}
-_REQUIRED = {"flow_steps", "chain_frames", "speed", "normalize"}
+_REQUIRED = {
+    "flow_steps",
+    "chain_frames",
+    "speed",
+    "normalize",
+    "first_clause_min_words",
+    "first_clause_max_wait_ms",
+}
+
+# The first-clause policy's defaults (docs/providers.md, "First audio"). Measured from the LLM's
+# first token to the first audio (bench/agent_latency.py): a first clause may be one word
+# ("Sure," "Hmm,") because it chains into the next one through the latent tail, and a first
+# sentence with no early boundary is cut at a word boundary 100 ms after its first text. A
+# longer first clause gives its prosody more text to go on, and the caller waits longer.
+FIRST_CLAUSE_MIN_WORDS = 1
+FIRST_CLAUSE_MAX_WAIT_MS = 100.0
 
 
 @dataclass
@@ -55,6 +79,12 @@ class GenerationOptions:
     # Read "$12.50" as "twelve dollars and fifty cents": `normalize_text` on every clause.
     normalize: bool = True
     speed: float = 1.0  # 0.5-2.0; the audio is time-scaled after decoding, pitch unchanged
+    # The first clause of a turn (and the first after a flush) may end at the first clause
+    # boundary after this many words (1-50)...
+    first_clause_min_words: int = FIRST_CLAUSE_MIN_WORDS
+    # ...or, with no boundary by then, at the last word boundary once this long (0-10,000 ms)
+    # has passed since the turn's first text. Never inside a word, number, date, price or URL.
+    first_clause_max_wait_ms: float = FIRST_CLAUSE_MAX_WAIT_MS
 
     def __post_init__(self) -> None:
         self.validate()

@@ -53,6 +53,13 @@ class Stream:
         # Speed and clause/word timing, applied as events reach the caller.
         self._timeline = Timeline.for_stream(engine.loaded, request.options)
         self._ready: deque[AudioChunk | ClauseDone] = deque()
+        # The first clause's wait (`ClauseSplitter.deadline`) as a loop timer, so that the cut
+        # comes even if no more text does.
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_for: float | None = None  # the deadline it was set for
+        self._done = 0  # clauses whose ClauseDone reached this loop
+        self._dry_timer: asyncio.TimerHandle | None = None  # the deadline rule's next look
+        self._reported_at: float | None = None  # when the last playback report came
 
     @property
     def id(self) -> str:
@@ -71,6 +78,8 @@ class Stream:
         self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
+        self._arm_timer()
+        self._check_dry()
 
     async def push_long_text(self, text: str) -> None:
         """`push_text` for text that may be long (a document, not LLM tokens): the same
@@ -97,16 +106,19 @@ class Stream:
         """End the current clause here, whatever its length."""
         self._check_open()
         self._submit(self._splitter.flush())
+        self._arm_timer()
 
     def end_input(self) -> None:
         self._check_open()
         if not self._has_text:
             raise EmptyTextError("no text was pushed: nothing to synthesise")
         self._submit(self._splitter.end(), end=True)
+        self._disarm_timer()
 
     def cancel(self) -> None:
         """Stop now: no audio is delivered after this returns; engine state is released."""
         self._closed = True
+        self._disarm_timer()
         self._engine.cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
@@ -137,12 +149,81 @@ class Stream:
             raise InvalidOptionError(f"playback must be a number of seconds, got {seconds!r}")
         if not math.isfinite(seconds) or seconds < 0:
             raise InvalidOptionError(f"playback must be finite and >= 0, got {seconds!r}")
-        self.request.playback.report(float(seconds), now())
+        self._reported_at = now()
+        self.request.playback.report(float(seconds), self._reported_at)
         self._engine.wake()
+        self._check_dry()
 
     def _check_open(self) -> None:
         if self._closed or self.request.input_ended:
             raise StreamClosedError(f"stream {self.id} no longer takes input")
+
+    def _arm_timer(self) -> None:
+        deadline = self._splitter.deadline
+        if deadline is None or deadline == self._timer_for:
+            return  # no wait running, or its timer is set (or has fired)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_for = deadline
+        delay = max(0.0, deadline - self._splitter.clock())
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _disarm_timer(self) -> None:
+        """Stop both timers: no more text will be cut here."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._dry_timer is not None:
+            self._dry_timer.cancel()
+            self._dry_timer = None
+
+    def _on_timer(self) -> None:
+        """The first clause's wait ran out: cut it at its last word boundary."""
+        self._timer = None
+        if self._closed or self.request.input_ended:
+            return
+        try:
+            self._submit(self._splitter.poll())
+        except Exception as e:  # a clause that cannot be planned ends this stream, typed
+            self._fail(e)
+
+    def _check_dry(self) -> None:
+        """The deadline rule: when the audio this stream has will run out before the clause
+        being built is complete, cut it at the best boundary there is (`cut_now`) rather than
+        let the listener hear silence: `EngineConfig.cut_before_dry_s` before it runs out. It
+        applies once every clause given to the engine has been spoken (so audio is all the
+        listener has left)."""
+        if self._dry_timer is not None:
+            self._dry_timer.cancel()
+            self._dry_timer = None
+        splitter = self._splitter
+        margin = self._engine.config.cut_before_dry_s
+        if (
+            margin is None
+            or self._closed
+            or self.request.input_ended
+            or self._clauses == 0
+            or self._done < self._clauses
+            or not splitter.holds_words
+        ):
+            return
+        t = now()
+        left = self.request.playback.buffered(t) - margin
+        if self._reported_at is not None:
+            # Pacing holds a reported position until the next report; the listener plays on.
+            left -= t - self._reported_at
+        if left > 0:
+            self._dry_timer = self._loop.call_later(left, self._check_dry)
+            return
+        try:
+            self._submit(splitter.cut_now())
+        except Exception as e:  # a clause that cannot be planned ends this stream, typed
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        self._disarm_timer()
+        self._engine.cancel(self.request)
+        self._deliver(error)
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []
@@ -164,7 +245,11 @@ class Stream:
         if not self._closed:
             if event is None or isinstance(event, Exception):
                 self._closed = True
+                self._disarm_timer()
             self._events.put_nowait(event)
+            if isinstance(event, ClauseDone):
+                self._done += 1
+                self._check_dry()
 
     def __aiter__(self) -> AsyncIterator[AudioChunk | ClauseDone]:
         return self

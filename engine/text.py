@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -26,6 +28,7 @@ import sentencepiece
 import tokenizers
 
 from intone.engine.errors import InvalidTextError
+from intone.engine.options import FIRST_CLAUSE_MIN_WORDS
 
 # Spoken-form text has its own module; it is part of the text API, under this name.
 from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
@@ -335,6 +338,14 @@ def _inside_number(buf: str, end: int) -> bool:
     return nxt.isdigit() and word.lower() in WORDS_BEFORE_NUMBERS
 
 
+def _has_word(text: str) -> bool:
+    return any(c.isalnum() for c in text)
+
+
+def _words(text: str) -> int:
+    return sum(1 for word in text.split() if _has_word(word))
+
+
 def _is_abbreviation(core: str) -> bool:
     """Whether the period ending `core` closes an abbreviation rather than a sentence."""
     stem = core.split()[-1].lstrip(_OPENERS)[:-1].lower()
@@ -351,7 +362,8 @@ class ClauseSplitter:
     buffered (an explicit boundary), `end()` returns the remainder at the end of input. The clauses
     depend only on the concatenated text and the positions of flushes, never on how the text was
     cut into pushes: every decision at a character looks only at the text up to that character
-    (one character of lookahead at most), and is deferred until that text has arrived.
+    (one character of lookahead at most), and is deferred until that text has arrived. The two
+    exceptions depend on time and are asked for: the first clause's wait (below) and `cut_now()`.
 
     A clause ends at whitespace that follows sentence punctuation (. ! ? …, optionally followed by
     closing quotes/brackets), except after abbreviations ("Mr.", "e.g.", "etc.") and initials;
@@ -359,12 +371,18 @@ class ClauseSplitter:
     after , ; : – — or a lone "-" (and right after an attached em dash, "this—that"). Such a
     boundary is taken only once the clause has `min_tokens` tokens (`comma_min_tokens` at clause
     punctuation); shorter pieces are merged with what follows, since the model does poorly on
-    very short inputs. The first clause after construction or a flush only needs
-    `first_min_tokens`, so that audio starts early. No clause exceeds `max_tokens`: a clause that
-    would is cut at its last whitespace (inside a single word longer than that, at the last
-    character that fits). No cut falls inside a number, time, date, price or address ("3:45 pm",
-    "November 30, 2026", "221B Baker Street": `_inside_number`), unless one such span alone is
-    over `max_tokens`. Clauses are stripped; empty ones are never returned.
+    very short inputs. No clause exceeds `max_tokens`: a clause that would is cut at its last
+    whitespace (inside a single word longer than that, at the last character that fits). No cut
+    falls inside a number, time, date, price or address ("3:45 pm", "November 30, 2026", "221B
+    Baker Street": `_inside_number`), unless one such span alone is over `max_tokens`. Clauses
+    are stripped; empty ones are never returned.
+
+    The first clause (after construction or a flush) is the one the listener waits for, and the
+    next clause chains onto it, so it may be short: it ends at the first boundary after
+    `first_clause_min_words` words. If none comes within `first_clause_max_wait_ms` of its first
+    text (by `clock`, in seconds), it ends at its last word boundary then (`poll()`, which a
+    caller runs at `deadline`; `push` also checks), or, with no complete word yet, at the next
+    word end. None: no wait limit.
     """
 
     def __init__(
@@ -372,35 +390,85 @@ class ClauseSplitter:
         tokenizer: Encoder,
         *,
         min_tokens: int = 6,
-        first_min_tokens: int = 4,
+        first_clause_min_words: int = FIRST_CLAUSE_MIN_WORDS,
+        first_clause_max_wait_ms: float | None = None,
         comma_min_tokens: int | None = None,
         max_tokens: int = MAX_TOKENS_PER_CHUNK,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         comma_min_tokens = min_tokens if comma_min_tokens is None else comma_min_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         for name, value in (
             ("min_tokens", min_tokens),
-            ("first_min_tokens", first_min_tokens),
             ("comma_min_tokens", comma_min_tokens),
         ):
             if not 1 <= value <= max_tokens:
                 raise ValueError(f"{name} must be in [1, max_tokens={max_tokens}], got {value}")
+        if first_clause_min_words < 1:
+            raise ValueError(f"first_clause_min_words must be >= 1, got {first_clause_min_words}")
+        if first_clause_max_wait_ms is not None and not first_clause_max_wait_ms >= 0:
+            raise ValueError(
+                f"first_clause_max_wait_ms must be >= 0 or None, got {first_clause_max_wait_ms}"
+            )
         self._tokenizer = tokenizer
         self.min_tokens = min_tokens
-        self.first_min_tokens = first_min_tokens
+        self.first_clause_min_words = first_clause_min_words
+        self.first_clause_max_wait_ms = first_clause_max_wait_ms
         self.comma_min_tokens = comma_min_tokens
         self.max_tokens = max_tokens
+        self.clock = clock
         self._buf = ""  # the clause being built (it starts at index 0), plus unscanned text
         self._pos = 0  # next index of _buf to decide on
         self._word_end: int | None = None  # last whitespace after a word in the clause
+        self._soft_end: int | None = None  # last punctuation boundary in the clause, any length
         self._counts: dict[int, int] = {}  # token count of _buf[:j], per j, for this clause
         self._first = True
+        self._first_text_at: float | None = None  # when the first clause's first text came
+
+    @property
+    def deadline(self) -> float | None:
+        """When (by `clock`) the first clause's wait runs out; None if no wait is running."""
+        if not self._first or self._first_text_at is None or self.first_clause_max_wait_ms is None:
+            return None
+        return self._first_text_at + self.first_clause_max_wait_ms / 1000
+
+    @property
+    def holds_words(self) -> bool:
+        """Whether complete words wait in the buffer for their clause to end."""
+        return self._word_end is not None and _has_word(self._buf[: self._word_end])
 
     def push(self, text: str) -> list[str]:
         """Append text; return the clauses it completes."""
+        out = self.poll()
+        if self._first and self._first_text_at is None and text.strip():
+            self._first_text_at = self.clock()
         self._buf += text
-        return self._scan(final=False)
+        return out + self._scan(final=False)
+
+    def poll(self) -> list[str]:
+        """The first clause, cut at its last word boundary, if its wait has run out."""
+        if not self._timed_out() or not self.holds_words:
+            return []
+        assert self._word_end is not None
+        out: list[str] = []
+        self._emit(self._word_end, out)
+        return out + self._scan(final=False)
+
+    def cut_now(self) -> list[str]:
+        """Cut at the best boundary there is, whatever the clause's length (for a caller whose
+        audio is about to run out before the clause would end): its last clause punctuation if
+        that keeps at least half its complete words, else its last word boundary. Never inside
+        a word or a number."""
+        end = self._word_end
+        if end is None or not _has_word(self._buf[:end]):
+            return []
+        soft = self._soft_end
+        if soft is not None and 2 * _words(self._buf[:soft]) >= _words(self._buf[:end]):
+            end = soft
+        out: list[str] = []
+        self._emit(end, out)
+        return out + self._scan(final=False)
 
     def flush(self) -> list[str]:
         """Force out everything buffered, as clauses (cut only if over `max_tokens`).
@@ -410,11 +478,16 @@ class ClauseSplitter:
         """
         out = self._scan(final=True)
         self._first = True
+        self._first_text_at = None
         return out
 
     def end(self) -> list[str]:
         """End of input: return the remainder. The splitter can then be reused for a new text."""
         return self.flush()
+
+    def _timed_out(self) -> bool:
+        deadline = self.deadline
+        return deadline is not None and self.clock() >= deadline
 
     def _scan(self, final: bool) -> list[str]:
         out: list[str] = []
@@ -437,8 +510,11 @@ class ClauseSplitter:
                         return out  # whether a digit follows decides; wait for it
                     cut = self._overflow_cut(i)
                     inside = _inside_number(buf, i)
-                    if cut is None and not inside and self._is_boundary(i):
-                        cut = i
+                    if cut is None and not inside:
+                        if self._is_boundary(i):
+                            cut = i
+                        elif self._timed_out() and _has_word(buf[:i]):
+                            cut = i  # the first clause's wait ran out before its first word end
                     if cut is None and not inside:
                         self._word_end = i
             elif self._word_end is None and self._word_overflows(i + 1):
@@ -459,6 +535,7 @@ class ClauseSplitter:
         self._buf = self._buf[end:]
         self._pos = 0
         self._word_end = None
+        self._soft_end = None
         self._counts.clear()
 
     def _count(self, end: int) -> int:
@@ -468,8 +545,6 @@ class ClauseSplitter:
         return n
 
     def _threshold(self, sentence: bool) -> int:
-        if self._first:
-            return self.first_min_tokens
         return self.min_tokens if sentence else self.comma_min_tokens
 
     def _overflow_cut(self, end: int) -> int | None:
@@ -486,7 +561,9 @@ class ClauseSplitter:
         return self._count(end) > self.max_tokens
 
     def _is_boundary(self, end: int) -> bool:
-        """Whether the word ending at `end` ends the clause (the whitespace at `end` arrived)."""
+        """Whether the word ending at `end` ends the clause (the whitespace at `end` arrived).
+
+        A boundary too short to be taken is remembered for `cut_now`."""
         core = self._buf[:end].rstrip(_CLOSERS)
         if not core:
             return False
@@ -499,13 +576,23 @@ class ClauseSplitter:
             sentence = False
         else:
             return False
-        return self._long_enough(end, sentence)
+        if self._long_enough(end, sentence):
+            return True
+        if _has_word(self._buf[:end]):
+            self._soft_end = end
+        return False
 
     def _long_enough(self, end: int, sentence: bool) -> bool:
-        """Whether the clause up to `end` may end there: it has words, and enough tokens."""
-        if not any(c.isalnum() for c in self._buf[:end]):
+        """Whether the clause up to `end` may end there: it has words, and enough of them
+        (`first_clause_min_words` in a first clause) or enough tokens (in the others)."""
+        text = self._buf[:end]
+        if not _has_word(text):
             return False  # punctuation alone goes with the next clause
-        return self._threshold(sentence) <= self._count(end) <= self.max_tokens
+        if self._first:
+            enough = _words(text) >= self.first_clause_min_words
+        else:
+            enough = self._threshold(sentence) <= self._count(end)
+        return enough and self._count(end) <= self.max_tokens
 
 
 def check_text(text: str) -> None:
@@ -527,16 +614,17 @@ def split_clauses(
     text: str,
     *,
     min_tokens: int = 6,
-    first_min_tokens: int = 4,
+    first_clause_min_words: int = FIRST_CLAUSE_MIN_WORDS,
     comma_min_tokens: int | None = None,
     max_tokens: int = MAX_TOKENS_PER_CHUNK,
 ) -> list[str]:
-    """The clauses `ClauseSplitter` makes of `text` pushed at once then ended."""
+    """The clauses `ClauseSplitter` makes of `text` pushed at once then ended (a stream whose
+    text all arrives within its first clause's wait makes the same)."""
     check_text(text)
     splitter = ClauseSplitter(
         tokenizer,
         min_tokens=min_tokens,
-        first_min_tokens=first_min_tokens,
+        first_clause_min_words=first_clause_min_words,
         comma_min_tokens=comma_min_tokens,
         max_tokens=max_tokens,
     )

@@ -80,6 +80,11 @@ class IntoneTTSSettings(TTSSettings):
     chain_frames: int | None | NotGiven = _given()
     speed: float | None | NotGiven = _given()  # 0.5-2.0, pitch kept
     normalize: bool | None | NotGiven = _given()  # numbers, prices, dates... read as words
+    # The first-clause policy: the first clause of a turn may end at the first boundary after
+    # this many words (1-50), or at the last word boundary this long after the turn's first
+    # text (0-10,000 ms); None keeps the engine's defaults (1 word, 100 ms).
+    first_clause_min_words: int | None | NotGiven = _given()
+    first_clause_max_wait_ms: float | None | NotGiven = _given()
 
     def generation(self) -> dict[str, Any]:
         values = {name: getattr(self, name) for name in GENERATION_FIELDS}
@@ -111,14 +116,12 @@ class IntoneTTSService(TTSService):
     run in the same engine steps.
 
     Text aggregation: TOKEN by default. The engine cuts the stream into clauses itself, with a
-    short first clause (4 tokens) so audio starts early, and a clause is submitted the moment it
-    is complete. SENTENCE mode would put Pipecat's sentence aggregator in front of that: the
-    first audio would wait for a whole first sentence, and each sentence for the token that
-    confirms its end, which is latency and nothing else since the engine re-cuts the text anyway.
-    Measured from the first LLM token to the first audio, LLM at 25 ms/token, 2 CPU cores, median
-    of replies like "Sure, I can help you with that. Your order shipped yesterday...": full-size
-    model 302 ms (TOKEN) vs 549 ms (SENTENCE); tiny model 138 vs 415 ms (docs/providers.md).
-    SENTENCE still works, and clauses still chain across its sentences.
+    short first clause so audio starts early (settings `first_clause_min_words`,
+    `first_clause_max_wait_ms`), and a clause is submitted the moment it is complete. SENTENCE
+    mode would put Pipecat's sentence aggregator in front of that: the first audio would wait for
+    a whole first sentence, and each sentence for the token that confirms its end, which is
+    latency and nothing else since the engine re-cuts the text anyway (docs/providers.md, "First
+    audio"). SENTENCE still works, and clauses still chain across its sentences.
 
     End of input: `flush_audio` (end of the LLM turn, or after a `TTSSpeakFrame`) ends the
     stream's input, so the engine finishes the last clause. Interruption: the turn's engine

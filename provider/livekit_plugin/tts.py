@@ -7,8 +7,8 @@ together. That needs the jobs in one process: run the worker with
 would load its own engine; run `intone serve` once and use `TTS(base_url=...)` instead.
 
 `stream()` sends all of a turn's text into one engine stream as one segment, token by token; the
-engine cuts it into clauses (short first clause for a quick start) and chains them, so there is
-no sentence tokenizer in front of it.
+engine cuts it into clauses (a short first clause for a quick start: `first_clause_min_words`,
+`first_clause_max_wait_ms`) and chains them, so there is no sentence tokenizer in front of it.
 
 Languages: `TTS(language="fr")` speaks with that language's model (`french_24l`; one model per
 language, `intone models`), `TTS(model=...)` with any model; `update_options(language=...)` or
@@ -83,6 +83,8 @@ class _TTSOptions:
     chain_frames: int | None
     speed: float | None
     normalize: bool | None
+    first_clause_min_words: int | None
+    first_clause_max_wait_ms: float | None
 
     def __post_init__(self) -> None:
         # Here, so that TTS(speed=5) and update_options(speed=5) raise InvalidOptionError (a
@@ -117,6 +119,8 @@ class TTS(tts.TTS):
         chain_frames: int | None = None,
         speed: float | None = None,
         normalize: bool | None = None,
+        first_clause_min_words: int | None = None,
+        first_clause_max_wait_ms: float | None = None,
     ) -> None:
         """Create intone TTS.
 
@@ -144,6 +148,11 @@ class TTS(tts.TTS):
             normalize: read numbers, prices, dates, times, URLs... as words (the engine's
                 `normalize_text`); None is on. Markdown and emoji are left to LiveKit's own
                 `tts_text_transforms`, which run before the text gets here.
+            first_clause_min_words, first_clause_max_wait_ms: the first-clause policy: a
+                turn's first clause may end at the first clause boundary after this many words
+                (1-50; None: 1), or, with none by then, at the last word boundary this many
+                milliseconds after the turn's first text (0-10,000; None: 100). Lower is earlier
+                audio with less text for the first clause's prosody (docs/providers.md).
 
         Word timing: every clause's words reach LiveKit as `TimedString`s
         (`aligned_transcript=True`), with the engine's estimated times (token-weighted within
@@ -151,8 +160,8 @@ class TTS(tts.TTS):
         interrupted turn keeps only the words that were heard.
 
         TTFB: LiveKit measures it from the first text sent to this TTS to the first audio frame
-        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (4
-        tokens, or a flush), the engine's admission queue and its first frame.
+        (`ttfb` in `TTSMetrics`): it includes the wait for the first clause to be complete (the
+        first-clause policy above, or a flush), the engine's admission queue and its first frame.
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
@@ -176,6 +185,8 @@ class TTS(tts.TTS):
             chain_frames=chain_frames,
             speed=speed,
             normalize=normalize,
+            first_clause_min_words=first_clause_min_words,
+            first_clause_max_wait_ms=first_clause_max_wait_ms,
         )
         # Streams in flight, so that aclose() can close them (with their event loop: an
         # instance may serve several, one per job in the thread executor).
@@ -224,6 +235,8 @@ class TTS(tts.TTS):
         chain_frames: NotGivenOr[int | None] = NOT_GIVEN,
         speed: NotGivenOr[float | None] = NOT_GIVEN,
         normalize: NotGivenOr[bool | None] = NOT_GIVEN,
+        first_clause_min_words: NotGivenOr[int | None] = NOT_GIVEN,
+        first_clause_max_wait_ms: NotGivenOr[float | None] = NOT_GIVEN,
     ) -> None:
         """Change the options of streams created from now on (streams in flight keep theirs).
 
@@ -248,6 +261,8 @@ class TTS(tts.TTS):
             "chain_frames": chain_frames,
             "speed": speed,
             "normalize": normalize,
+            "first_clause_min_words": first_clause_min_words,
+            "first_clause_max_wait_ms": first_clause_max_wait_ms,
         }
         self._opts = replace(self._opts, **{k: v for k, v in given.items() if is_given(v)})
 
@@ -495,7 +510,7 @@ async def _pump(
     progress: _Progress,
 ) -> None:
     """Move the engine's audio to the emitter as int16 PCM until the request ends."""
-    framer = _Framer(resampler.out_rate)
+    framer = Framer(resampler.out_rate)
     events = speech.__aiter__()
     # The wait for the next event outlives a timeout that turns out to be harmless: cancelling
     # it would close a remote stream's async generator.
@@ -515,8 +530,7 @@ async def _pump(
             except StopAsyncIteration:
                 break
             if isinstance(event, AudioChunk):
-                frame = framer.push(resampler.process(event.samples))
-                if frame is not None:
+                for frame in framer.push(resampler.process(event.samples)):
                     output_emitter.push_frame(frame)
             elif isinstance(event, ClauseDone):
                 progress.clauses_done += 1
@@ -531,40 +545,56 @@ async def _pump(
     finally:
         if pending is not None:
             pending.cancel()
-    frame = framer.finish(resampler.finish())
-    if frame is not None:
+    for frame in framer.finish(resampler.finish()):
         output_emitter.push_frame(frame)
 
 
-class _Framer:
-    """Engine audio into frames for the emitter, none shorter than `MIN_FRAME_S` except the final.
+class Framer:
+    """Engine audio into frames for the emitter such that every non-final frame LiveKit sends is
+    longer than 50 ms and shorter than 250 ms, strictly (LiveKit's own plugin tests hold them to
+    that).
 
-    The emitter keeps the last 10 ms of what it is given to mark the segment's end, and re-cuts
-    pushed bytes into 10, 40, 80, 160 ms frames first. Frames given whole, with `HOLD_S` held back
-    so that the end of the segment always has enough audio to close on, keep every non-final
-    frame in LiveKit's 50-250 ms, at the cost of the first frame waiting for 2 * 50 ms of audio.
+    The emitter holds back the last 10 ms of what it is given (to mark the segment's last audio
+    final) and sends the rest: a frame pushed after another goes out at its own length, the first
+    one 10 ms shorter. So frames are pushed at 51-200 ms (the first at 61 ms or more), and 51 ms
+    is kept back until the end, so that the last frame, made of what is held and the resampler's
+    tail, is long enough too (a long remainder is split in equal parts under 200 ms). The first
+    frame waits for 112 ms of audio: two Mimi frames, the engine's first delivery. A segment of
+    less than 61 ms of audio has one short frame (no clause is that short unless `max_frames`
+    makes it so).
     """
 
-    MIN_FRAME_S = 0.05
-    HOLD_S = 0.05
+    MAX_FRAME_S = 0.2
+    MIN_FRAME_S = 0.05  # exclusive
 
     def __init__(self, sample_rate: int) -> None:
         self.sample_rate = sample_rate
-        self._hold = round(self.HOLD_S * sample_rate)
-        self._min = round(self.MIN_FRAME_S * sample_rate) + self._hold
+        self._tail = sample_rate * 10 // 1000  # the emitter's `_TAIL_SAMPLES`
+        self._min = round(self.MIN_FRAME_S * sample_rate) + 1
+        self._max = round(self.MAX_FRAME_S * sample_rate)
+        self._hold = self._min  # the end needs a frame of its own
         self._buffer = np.zeros(0, dtype=np.float32)
+        self._pushed = False
 
-    def push(self, samples: np.ndarray) -> rtc.AudioFrame | None:
+    def push(self, samples: np.ndarray) -> list[rtc.AudioFrame]:
         self._buffer = np.concatenate([self._buffer, samples])
-        if len(self._buffer) < self._min:
-            return None
-        out, self._buffer = self._buffer[: -self._hold], self._buffer[-self._hold :]
-        return self._frame(out)
+        frames = []
+        while True:
+            shortest = self._min if self._pushed else self._min + self._tail
+            n = min(len(self._buffer) - self._hold, self._max)
+            if n < shortest:
+                return frames
+            frames.append(self._frame(self._buffer[:n]))
+            self._buffer = self._buffer[n:]
+            self._pushed = True
 
-    def finish(self, tail: np.ndarray) -> rtc.AudioFrame | None:
+    def finish(self, tail: np.ndarray) -> list[rtc.AudioFrame]:
         out = np.concatenate([self._buffer, tail])
         self._buffer = np.zeros(0, dtype=np.float32)
-        return self._frame(out) if len(out) else None
+        if not len(out):
+            return []
+        parts = -(-len(out) // self._max)
+        return [self._frame(part) for part in np.array_split(out, parts)]
 
     def _frame(self, samples: np.ndarray) -> rtc.AudioFrame:
         return rtc.AudioFrame(

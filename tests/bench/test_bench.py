@@ -103,3 +103,33 @@ def test_idle_request_smoke(tiny_checkpoint: Path, tmp_path: Path):
     for endpoint in ("websocket", "openai"):
         assert run[endpoint]["audio_s"] > 0 and run[endpoint]["x_real_time"] > 0, run
     assert "yield" in proc.stdout and "x real time" in proc.stdout
+
+
+def test_agent_latency_smoke(tiny_checkpoint: Path, tmp_path: Path):
+    """`bench/agent_latency.py` drives every path (LiveKit in-process and remote, Pipecat,
+    IntoneClient) from a simulated LLM and reports first-token-to-first-audio per level."""
+    out = tmp_path / "agent"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "agent_latency.py"),
+        "--model",
+        str(tiny_checkpoint),
+    ]
+    cmd += ["--paths", "livekit,livekit-remote,pipecat,client", "--rates", "100"]
+    cmd += ["--concurrency", "1,2", "--turns", "2", "--first-clause-min-words", "2"]
+    cmd += ["--label", "smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results-smoke.json").read_text())
+    assert results["policy"] == {"first_clause_min_words": 2}
+    runs = {(r["path"], r["concurrency"]): r for r in results["runs"]}
+    paths = ("livekit", "livekit-remote", "pipecat", "client")
+    assert set(runs) == {(p, c) for p in paths for c in (1, 2)}
+    for (path, _), run in runs.items():
+        assert run["turns"] == 2 and run["errors"] == []
+        assert 0 < run["p50_ms"] <= run["p95_ms"] < 10_000
+        for turn in run["turn_results"]:
+            assert turn["audio_s"] > 0
+            if path != "pipecat":  # its frames carry no clause marks
+                assert len(turn["first_clause"].split()) >= 2
+    assert "| livekit | 100 | 1 | 2 |" in (out / "results-smoke.md").read_text()

@@ -341,8 +341,8 @@ _texts = st.lists(_pieces, max_size=80).map("".join)
 _bounds = st.sampled_from(
     [
         {},
-        {"min_tokens": 1, "first_min_tokens": 1, "max_tokens": 6},
-        {"min_tokens": 3, "first_min_tokens": 2, "comma_min_tokens": 8, "max_tokens": 12},
+        {"min_tokens": 1, "first_clause_min_words": 1, "max_tokens": 6},
+        {"min_tokens": 3, "first_clause_min_words": 2, "comma_min_tokens": 8, "max_tokens": 12},
     ]
 )
 
@@ -394,7 +394,7 @@ def test_sentence_boundary_waits_for_the_next_character(tok: Tokenizer) -> None:
 
 
 def test_decimals_and_abbreviations(tok: Tokenizer) -> None:
-    splitter = ClauseSplitter(tok, min_tokens=1, first_min_tokens=1)
+    splitter = ClauseSplitter(tok, min_tokens=1, first_clause_min_words=1)
     assert splitter.push("It cost 3.") == []
     assert splitter.push(
         "5 dollars. Mr. Smith, e.g. the doctor, met Dr. Jones etc. in the U.S. "
@@ -411,7 +411,7 @@ def test_decimals_and_abbreviations(tok: Tokenizer) -> None:
 
 def test_clause_punctuation(tok: Tokenizer) -> None:
     text = 'red, green; blue: "yes," he said \u2014 no \u2013 maybe - so\u2014then! ok?) fine'
-    assert split_clauses(tok, text, min_tokens=1, first_min_tokens=1) == [
+    assert split_clauses(tok, text, min_tokens=1, first_clause_min_words=1) == [
         "red,",
         "green;",
         "blue:",
@@ -431,28 +431,32 @@ def test_short_pieces_are_merged(tok: Tokenizer) -> None:
         "So. It was. The quick brown fox jumps over the lazy dog. "
         "Maybe. Really, the doctor walked to the station."
     )
-    assert split_clauses(tok, text) == [
-        "So. It was.",
+    assert split_clauses(tok, text, first_clause_min_words=3) == [
+        "So. It was.",  # the first clause's threshold: three words
         "The quick brown fox jumps over the lazy dog.",
         "Maybe. Really, the doctor walked to the station.",
     ]
-    assert _count(tok, "So.") < 4 <= _count(tok, "So. It was.")  # the first clause's threshold
     assert _count(tok, "Maybe. Really,") < 6  # a later clause's threshold
+    # By default a first clause may be one word: it chains into the next.
+    assert split_clauses(tok, text)[:2] == [
+        "So.",
+        "It was. The quick brown fox jumps over the lazy dog.",
+    ]
     # With thresholds of one token, every boundary splits.
-    assert len(split_clauses(tok, text, min_tokens=1, first_min_tokens=1)) == 6
+    assert len(split_clauses(tok, text, min_tokens=1, first_clause_min_words=1)) == 6
 
 
 def test_first_clause_starts_early_at_a_comma(tok: Tokenizer) -> None:
     first, second = "So the red car,", "the old teacher,"
-    assert 4 <= _count(tok, first) < 6 and 4 <= _count(tok, second) < 6
-    splitter = ClauseSplitter(tok)  # first_min_tokens=4, min_tokens=6
+    assert _count(tok, first) < 6 and 4 <= _count(tok, second) < 6
+    splitter = ClauseSplitter(tok, first_clause_min_words=4)  # min_tokens=6
     assert splitter.push(f"{first} ") == [first]
     assert splitter.push(f"{second} ") == []  # not the first any more: merged with the next piece
     assert splitter.push("and the quick brown fox. ") == [f"{second} and the quick brown fox."]
     assert splitter.flush() == []
     assert splitter.push(f"{first} ") == [first]  # a flush starts a new first clause
-    # Raising first_min_tokens to min_tokens removes the early start.
-    late = ClauseSplitter(tok, first_min_tokens=6)
+    # One more word than the clause has: no early start.
+    late = ClauseSplitter(tok, first_clause_min_words=5)
     assert late.push(f"{first} ") == []
 
 
@@ -495,8 +499,10 @@ def test_bounds_are_validated(tok: Tokenizer) -> None:
         ClauseSplitter(tok, max_tokens=0)
     with pytest.raises(ValueError, match="min_tokens"):
         ClauseSplitter(tok, min_tokens=60)
-    with pytest.raises(ValueError, match="first_min_tokens"):
-        ClauseSplitter(tok, first_min_tokens=0)
+    with pytest.raises(ValueError, match="first_clause_min_words"):
+        ClauseSplitter(tok, first_clause_min_words=0)
+    with pytest.raises(ValueError, match="first_clause_max_wait_ms"):
+        ClauseSplitter(tok, first_clause_max_wait_ms=-1)
 
 
 @pytest.mark.parametrize(
@@ -519,10 +525,10 @@ def test_clauses_are_never_cut_inside_a_number(tok: Tokenizer, spoken: str) -> N
     text = f"so we said {spoken}, {tail} "
     cap = _count(tok, f"{spoken},")
     assert cap < _count(tok, tail)
-    clauses = split_clauses(tok, text * 2, min_tokens=1, first_min_tokens=1, max_tokens=cap)
+    clauses = split_clauses(tok, text * 2, min_tokens=1, first_clause_min_words=1, max_tokens=cap)
     assert sum(spoken in clause for clause in clauses) == 2, clauses
     assert len(clauses) > 6
     # Pushed a character at a time, it waits for the character that decides.
-    splitter = ClauseSplitter(tok, min_tokens=1, first_min_tokens=1, max_tokens=cap)
+    splitter = ClauseSplitter(tok, min_tokens=1, first_clause_min_words=1, max_tokens=cap)
     streamed = [c for ch in text * 2 for c in splitter.push(ch)] + splitter.end()
     assert streamed == clauses

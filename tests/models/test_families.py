@@ -137,7 +137,7 @@ def single_path_audio(loaded: LoadedModel, voice, text: str, opts: GenerationOpt
         loaded.tokenizer,
         text,
         min_tokens=config.clause_min_tokens,
-        first_min_tokens=config.clause_first_min_tokens,
+        first_clause_min_words=GenerationOptions().first_clause_min_words,
         max_tokens=config.clause_max_tokens,
     )
     return torch.cat(list(generate(loaded, voice, clauses, opts))).numpy()

@@ -24,15 +24,18 @@ from livekit.agents import (
     APITimeoutError,
     Plugin,
     llm,
+    tts,
 )
 from livekit.agents.types import (
     DEFAULT_API_CONNECT_OPTIONS,
     USERDATA_TIMED_TRANSCRIPT,
     TimedString,
 )
+from livekit.agents.utils import aio
 from livekit.agents.voice import io
 from livekit.agents.voice.transcription import TranscriptSynchronizer
 from livekit.plugins import intone
+from livekit.plugins.intone.tts import Framer
 
 from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.provider import registry
@@ -469,6 +472,34 @@ async def test_bad_options_are_refused_where_they_are_set(engine: Engine, tiny_c
     await tts.aclose()
 
 
+@pytest.mark.parametrize("remote", [False, True])
+async def test_first_clause_policy_is_an_option(
+    engine: Engine, tiny_checkpoint: Path, server_url: str, remote: bool
+):
+    """`first_clause_min_words` decides how the turn is cut, in-process and remote (the
+    server's `start.options`): every clause is 8 frames here, so the audio counts the clauses."""
+    text = "Hmm, I do not see that booking here. Could you spell it?"
+    where = {"base_url": server_url} if remote else {"model": tiny_checkpoint}
+    tts = intone.TTS(**where, first_clause_min_words=1, first_clause_max_wait_ms=10_000, **FAST)
+    clauses = {}
+    for words in (1, 5):
+        if words != 1:
+            tts.update_options(first_clause_min_words=words)
+        stream = tts.stream()
+        for i, word in enumerate(text.split(" ")):
+            stream.push_text(word if i == 0 else " " + word)
+        stream.end_input()
+        seconds = sum([event.frame.duration async for event in stream])
+        clauses[words] = round(seconds / (8 * FRAME_SECONDS))
+        await stream.aclose()
+    assert clauses == {1: 3, 5: 2}  # "Hmm," | ... against "Hmm, I do not see that booking here."
+    with pytest.raises(InvalidOptionError, match="first_clause_min_words"):
+        tts.update_options(first_clause_min_words=0)
+    with pytest.raises(InvalidOptionError, match="first_clause_max_wait_ms"):
+        intone.TTS(**where, first_clause_max_wait_ms=10_001)
+    await tts.aclose()
+
+
 async def test_a_refused_piece_of_text_is_dropped_and_the_turn_speaks_on(
     engine: Engine, tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
 ):
@@ -687,24 +718,90 @@ async def test_barge_in_history_holds_the_words_heard(engine: Engine, tiny_check
     await tts.aclose()
 
 
+def assert_livekit_frames(events: list[tts.SynthesizedAudio]) -> None:
+    """LiveKit's own check (tests/test_tts.py in livekit/agents, `_do_stream`): one request id,
+    per segment only the last frame final, non-final frames strictly 50-250 ms, the final one
+    non-empty and under 250 ms."""
+    assert events and events[0].request_id
+    assert all(e.request_id == events[0].request_id for e in events)
+    assert all(e.segment_id for e in events)
+    by_segment: dict[str, list[tts.SynthesizedAudio]] = {}
+    for event in events:
+        by_segment.setdefault(event.segment_id, []).append(event)
+    for segment in by_segment.values():
+        *non_final, final = segment
+        assert final.is_final and not any(e.is_final for e in non_final)
+        assert 0 < final.frame.duration < 0.25
+        durations = [e.frame.duration for e in non_final]
+        assert all(0.05 < d < 0.25 for d in durations), durations
+
+
+@pytest.mark.parametrize("remote", [False, True])
 @pytest.mark.parametrize("sample_rate", [24000, 16000])
 async def test_streamed_segment_frames_are_50_to_250_ms(
-    engine: Engine, tiny_checkpoint: Path, sample_rate: int
+    engine: Engine, tiny_checkpoint: Path, server_url: str, sample_rate: int, remote: bool
 ):
-    """LiveKit's own plugin tests hold non-final frames to 50-250 ms; only the last is final."""
-    tts = intone.TTS(model=tiny_checkpoint, sample_rate=sample_rate, **FAST)
-    stream = tts.stream()
-    text = "Hello there, this is a test of frame sizes. Another sentence follows."
-    for word in text.split(" "):
-        stream.push_text(word + " ")
-    stream.end_input()
-    frames = [event async for event in stream]
-    assert len(frames) > 3 and [f.is_final for f in frames].count(True) == 1 and frames[-1].is_final
-    for event in frames[:-1]:
-        assert 0.05 <= event.frame.duration <= 0.25, event.frame.duration
-    assert {f.frame.sample_rate for f in frames} == {sample_rate}
-    await stream.aclose()
-    await tts.aclose()
+    """As LiveKit's plugin test streams: LLM tokens at 30/s, a flush after each of two segments,
+    then end_input (the framework keeps one segment per stream: the flush ends its input)."""
+    where = {"base_url": server_url} if remote else {"model": tiny_checkpoint}
+    tts_v = intone.TTS(**where, sample_rate=sample_rate, **FAST)
+    segments = [
+        "Hello there, this is a test of frame sizes. Another sentence follows.",
+        "And a second segment, flushed too.",
+    ]
+    async with tts_v.stream(conn_options=NO_RETRY) as stream:
+
+        async def push() -> None:
+            for text in segments:
+                for i, word in enumerate(text.split(" ")):
+                    stream.push_text(word if i == 0 else " " + word)
+                    await asyncio.sleep(1 / 30)
+                stream.flush()
+            stream.end_input()
+
+        pushing = asyncio.create_task(push())
+        events = [event async for event in stream]
+        await pushing
+    assert len(events) > 3
+    assert_livekit_frames(events)
+    assert {e.frame.sample_rate for e in events} == {sample_rate}
+    await tts_v.aclose()
+
+
+@pytest.mark.parametrize("sample_rate", [24000, 16000, 8000, 44100])
+async def test_framer_keeps_every_non_final_frame_within_50_to_250_ms(sample_rate: int):
+    """The plugin's framer through LiveKit's real AudioEmitter, for engine deliveries of every
+    size (one Mimi frame to several, odd resampled lengths) and every length of the last one."""
+    rng = np.random.default_rng(sample_rate)
+    frame = sample_rate * 80 // 1000  # one Mimi frame at this rate
+    for case in range(60):
+        sizes = [int(n) for n in rng.integers(1, 5, size=int(rng.integers(2, 12))) * frame]
+        sizes = [max(1, n + int(rng.integers(-40, 40))) for n in sizes] if case % 2 else sizes
+        tail = int(rng.integers(0, frame))
+        rx = aio.Chan[tts.SynthesizedAudio]()
+        emitter = tts.AudioEmitter(label="intone-test", dst_ch=rx)
+        emitter.initialize(
+            request_id="r",
+            sample_rate=sample_rate,
+            num_channels=1,
+            mime_type="audio/pcm",
+            stream=True,
+        )
+        emitter.start_segment(segment_id="s")
+        framer = Framer(sample_rate)
+        for n in sizes:
+            for f in framer.push(np.zeros(n, dtype=np.float32)):
+                emitter.push_frame(f)
+        for f in framer.finish(np.zeros(tail, dtype=np.float32)):
+            emitter.push_frame(f)
+        emitter.end_segment()
+        emitter.end_input()
+        await emitter.join()
+        rx.close()
+        events = [e async for e in rx]
+        assert_livekit_frames(events)
+        total = sum(e.frame.samples_per_channel for e in events)
+        assert total == sum(sizes) + tail
 
 
 async def test_aclose_closes_streams_in_flight(

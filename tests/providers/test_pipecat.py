@@ -529,3 +529,28 @@ async def test_a_voice_given_as_bytes(
         assert len(added) <= 1  # once (an earlier test may have registered it already)
     else:
         assert len(added) == 1 and next(iter(added)).startswith("voice_")  # uploaded once
+
+
+@pytest.mark.parametrize("remote", [False, True])
+async def test_first_clause_policy_is_a_setting(
+    engine: Engine, tiny_checkpoint: Path, server_url: str, remote: bool
+):
+    """`first_clause_min_words` decides how the turn is cut, in-process and through the server:
+    every clause is 8 frames here, so the audio counts the clauses."""
+    text = "Hmm, I do not see that booking here. Could you spell it?"
+    where = {"base_url": server_url} if remote else {"model": tiny_checkpoint}
+    clauses = {}
+    for words in (1, 5):
+        settings = IntoneTTSService.Settings(
+            **FAST_FIELDS, first_clause_min_words=words, first_clause_max_wait_ms=10_000
+        )
+        down, _ = await run_test(
+            IntoneTTSService(**where, settings=settings),
+            frames_to_send=[LLMFullResponseStartFrame(), *tokens(text), LLMFullResponseEndFrame()],
+        )
+        clauses[words] = round(seconds(down) / CLAUSE_SECONDS)
+    assert clauses == {1: 3, 5: 2}  # "Hmm," | ... against "Hmm, I do not see that booking here."
+    with pytest.raises(InvalidOptionError, match="first_clause_min_words"):
+        service(tiny_checkpoint, settings=IntoneTTSService.Settings(first_clause_min_words=0))
+    with pytest.raises(InvalidOptionError, match="first_clause_max_wait_ms"):
+        service(tiny_checkpoint, settings=IntoneTTSService.Settings(first_clause_max_wait_ms=-5))

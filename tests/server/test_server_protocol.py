@@ -73,6 +73,10 @@ def test_stream_options_are_the_engines():
         ('{"type": "start", "stream": "s", "options": []}', ErrorCode.BAD_OPTIONS, True),
         ('{"type": "start", "stream": "s", "options": {"seed": true}}', ErrorCode.BAD_OPTIONS,
          True),
+        ('{"type": "start", "stream": "s", "options": {"first_clause_min_words": 0}}',
+         ErrorCode.BAD_OPTIONS, True),
+        ('{"type": "start", "stream": "s", "options": {"first_clause_max_wait_ms": 1e5}}',
+         ErrorCode.BAD_OPTIONS, True),
         ('{"type": "start", "stream": "s", "end": "yes"}', ErrorCode.BAD_MESSAGE, True),
     ],
 )  # fmt: skip

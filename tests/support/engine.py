@@ -83,7 +83,7 @@ class Reference:
             self.loaded.tokenizer,
             text,
             min_tokens=self.config.clause_min_tokens,
-            first_min_tokens=self.config.clause_first_min_tokens,
+            first_clause_min_words=GenerationOptions().first_clause_min_words,
             max_tokens=self.config.clause_max_tokens,
         )
 

@@ -38,7 +38,7 @@ def single_path(loaded: LoadedModel, voice: Voice, seed: int) -> np.ndarray:
         loaded.tokenizer,
         TEXT,
         min_tokens=config.clause_min_tokens,
-        first_min_tokens=config.clause_first_min_tokens,
+        first_clause_min_words=GenerationOptions().first_clause_min_words,
         max_tokens=config.clause_max_tokens,
     )
     return torch.cat(list(generate(loaded, voice, clauses, options(seed)))).numpy()

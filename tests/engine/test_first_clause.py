@@ -1,0 +1,436 @@
+"""The first-clause policy (`first_clause_min_words`, `first_clause_max_wait_ms`) and bad input
+streamed the way an LLM streams it: the splitter on an injected clock, then the engine's streams,
+whose timer cuts the first clause even when no more text comes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions
+from intone.engine.errors import InvalidOptionError
+from intone.engine.loading import LoadedModel, load_model
+from intone.engine.text import ClauseSplitter, split_clauses
+
+NO_EOS = 1e9
+TOKEN_S = 0.025  # an LLM at 40 tokens/s
+
+
+def llm_tokens(text: str) -> list[str]:
+    """Text split as chat models stream it: a word with its leading space, punctuation alone."""
+    return re.findall(r"\s*[\w']+|\s*[^\w\s]|\s+", text)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def splitter(loaded: LoadedModel, clock: Clock, **policy) -> ClauseSplitter:
+    policy.setdefault("first_clause_max_wait_ms", 100.0)
+    return ClauseSplitter(loaded.tokenizer, clock=clock, **policy)
+
+
+def stream_tokens(sp: ClauseSplitter, clock: Clock, tokens: list[str], step: float = TOKEN_S):
+    """Push tokens `step` apart, polling the timer between them as a stream's timer would."""
+    out: list[str] = []
+    for token in tokens:
+        out += sp.push(token)
+        clock.now += step
+        out += sp.poll()
+    return out + sp.end()
+
+
+def assert_words_kept(text: str, clauses: list[str]) -> None:
+    """No word lost, duplicated or cut in two, in order."""
+    assert " ".join(clauses).split() == text.split(), clauses
+
+
+# ---- the policy, on an injected clock
+
+
+def test_first_clause_ends_at_the_first_boundary_after_min_words(tiny_model: LoadedModel):
+    text = "Hmm, I don't see a reservation under that name. Could you spell your last name?"
+    clock = Clock()
+    one = stream_tokens(
+        splitter(tiny_model, clock, first_clause_min_words=1), clock, llm_tokens(text)
+    )
+    assert one[0] == "Hmm,"
+    clock = Clock()
+    three = splitter(tiny_model, clock, first_clause_min_words=3, first_clause_max_wait_ms=None)
+    clauses = stream_tokens(three, clock, llm_tokens(text))
+    assert clauses[0] == "Hmm, I don't see a reservation under that name."
+    for split in (one, clauses):
+        assert_words_kept(text, split)
+    # Pushed at once, the same clauses as one-shot splitting.
+    assert split_clauses(tiny_model.tokenizer, text, first_clause_min_words=3) == clauses
+
+
+def test_first_clause_is_cut_at_its_last_word_boundary_when_the_wait_runs_out(
+    tiny_model: LoadedModel,
+):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=3, first_clause_max_wait_ms=100)
+    assert sp.deadline is None  # the wait starts with the first text
+    assert sp.push("   ") == [] and sp.deadline is None  # whitespace is not text
+    assert sp.push(" I checked your acc") == []
+    assert sp.deadline == pytest.approx(0.1)
+    clock.now = 0.099
+    assert sp.poll() == []
+    clock.now = 0.1
+    assert sp.poll() == ["I checked your"]  # "acc" may go on: never cut inside a word
+    assert sp.deadline is None and sp.poll() == []
+    assert sp.push("ount and booked the room for you.") == []
+    assert sp.end() == ["account and booked the room for you."]
+
+
+def test_a_wait_that_runs_out_before_the_first_word_ends_cuts_at_its_end(
+    tiny_model: LoadedModel,
+):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=2)
+    assert sp.push("Supercalifragilistic") == []
+    clock.now = 1.0
+    assert sp.poll() == []  # no word boundary yet
+    assert sp.push("expialidocious is a word") == ["Supercalifragilisticexpialidocious"]
+    assert sp.end() == ["is a word"]
+
+
+@pytest.mark.parametrize(
+    "text, split_at, first",
+    [
+        ("On November 30, 2026 we open the new office downtown", "2026", "On"),
+        ("On November 30, 2026 we open the new office downtown", "26 we", "On"),
+        ("It costs $42.50 today for the whole family", ".50", "It costs"),
+        ("Meet me at 3:45 pm near the fountain", " pm", "Meet me at"),
+        ("Go to example.com/book now please", "/book", "Go to"),
+        ("We live at 221B Baker Street in London", " Street", "We live at"),
+    ],
+)
+def test_the_wait_never_cuts_inside_a_number_date_price_or_address(
+    tiny_model: LoadedModel, text: str, split_at: str, first: str
+):
+    # The wait runs out with part of the span in the buffer: the cut falls before the span.
+    k = text.index(split_at) + 1
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=50)
+    assert sp.push(text[:k]) == []
+    clock.now = 1.0
+    assert sp.poll() == [first]
+    assert_words_kept(text, [first, *sp.push(text[k:]), *sp.end()])
+
+
+# ---- bad input (issue 47, item 5)
+
+
+TURN = (
+    "Let me check that for you. Your table for 4 is booked at 7:30 pm on Friday, "
+    "and the deposit of $42.50 was charged to the card ending in 1234."
+)
+
+
+def test_one_character_per_token(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=50)
+    clauses = stream_tokens(sp, clock, list(TURN), step=0.01)
+    assert_words_kept(TURN, clauses)
+    # The wait ran out once, 100 ms (ten characters) in: "Let me" was all it had.
+    assert clauses[0] == "Let me"
+    assert "$42.50" in " ".join(clauses) and "7:30 pm" in " ".join(clauses)
+
+
+def test_whitespace_only_tokens(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock)
+    # Every word's leading space as whitespace-only tokens of its own, some doubled.
+    tokens = [" ", "\n", "  "]
+    for token in llm_tokens(TURN):
+        if token[0].isspace():
+            tokens += [" ", "\n\n", " "]
+        tokens.append(token.strip())
+    clauses = stream_tokens(sp, clock, tokens)
+    assert_words_kept(TURN, clauses)
+    assert all(c == c.strip() and c for c in clauses)
+    # Whitespace alone never starts the wait, nor makes a clause.
+    clock2 = Clock()
+    idle = splitter(tiny_model, clock2)
+    assert stream_tokens(idle, clock2, [" ", "\n", "\t "] * 20) == []
+    assert idle.deadline is None
+
+
+def test_a_2000_character_word(tiny_model: LoadedModel):
+    word = "abcdefghij" * 200
+    clock = Clock()
+    sp = splitter(tiny_model, clock)
+    tokens = [" Well", ",", " the", " code", " is", " "]
+    tokens += [word[i : i + 7] for i in range(0, len(word), 7)] + [".", " Done", "."]
+    clauses = stream_tokens(sp, clock, tokens)
+    assert clauses[0] == "Well,"
+    # The word alone is over max_tokens, so it is cut where it must be, and only there.
+    joined = "".join(clauses[1:])
+    assert joined.replace(" ", "") == "thecodeis" + word + ".Done."
+    assert all(len(tiny_model.tokenizer.encode(c)) <= sp.max_tokens for c in clauses)
+
+
+def test_a_number_split_across_tokens(tiny_model: LoadedModel):
+    for text in ("42.50 is the total, sir.", "The total is 42.50 today."):
+        tokens = llm_tokens(text)
+        number = tokens.index("42") if "42" in tokens else tokens.index(" 42")
+        tokens[number : number + 1] = [tokens[number][:-2], "4", "2"]
+        tokens = [t for t in tokens if t]
+        assert "".join(tokens) == text and {"4", "2", ".", "50"} <= set(tokens)
+        tokens[tokens.index("50")] = "5"
+        tokens.insert(tokens.index("5") + 1, "0")
+        for step in (0.001, 0.03, 1.0):  # the wait runs out before, inside, after the number
+            clock = Clock()
+            clauses = stream_tokens(splitter(tiny_model, clock), clock, tokens, step)
+            assert_words_kept(text, clauses)
+            assert sum("42.50" in c for c in clauses) == 1, clauses
+
+
+def test_a_turn_that_flushes_after_one_word(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=3)
+    assert sp.push(" Okay") == []
+    assert sp.flush() == ["Okay"]
+    assert sp.deadline is None  # the next first clause's wait starts with its text
+    clock.now = 5.0
+    assert sp.push(" so") == [] and sp.deadline == pytest.approx(5.1)
+    clock.now = 5.2
+    # After a flush, a first clause again: its wait ran out, so its first word end cuts it.
+    assert sp.push(" the thing is") == ["so"]
+    assert sp.end() == ["the thing is"]
+
+
+def test_a_stall_of_10_s_cuts_once(tiny_model: LoadedModel):
+    text = "I looked everywhere for your order and I found it in the back room. It ships today."
+    tokens = llm_tokens(text)
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=50)
+    out: list[str] = []
+    for i, token in enumerate(tokens):
+        out += sp.push(token)
+        clock.now += 10.0 if i == 3 else TOKEN_S  # the LLM stalls 10 s after 4 tokens
+        out += sp.poll()
+        if i == 3:
+            assert out == ["I looked everywhere"]  # cut once, at the last word boundary
+    out += sp.end()
+    assert_words_kept(text, out)
+    assert out[0] == "I looked everywhere"
+    # The rest is the turn's later clauses, cut at sentence ends as any later clause is.
+    assert out[1:] == ["for your order and I found it in the back room.", "It ships today."]
+
+
+def test_the_policy_options_are_checked_like_every_other():
+    GenerationOptions(first_clause_min_words=1, first_clause_max_wait_ms=0)
+    GenerationOptions(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    for name, bad in (
+        ("first_clause_min_words", 0),
+        ("first_clause_min_words", 51),
+        ("first_clause_min_words", 2.5),
+        ("first_clause_min_words", None),
+        ("first_clause_max_wait_ms", -1),
+        ("first_clause_max_wait_ms", 10_001),
+        ("first_clause_max_wait_ms", float("nan")),
+        ("first_clause_max_wait_ms", "100"),
+    ):
+        with pytest.raises(InvalidOptionError, match=name):
+            GenerationOptions(**{name: bad})
+
+
+# ---- through the engine: the timer fires on its own
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path) -> Iterator[Engine]:
+    engine = Engine(load_model(tiny_checkpoint), EngineConfig(num_pages=512, lead_s=None)).start()
+    yield engine
+    engine.close()
+
+
+def options(**policy) -> GenerationOptions:
+    return GenerationOptions(temperature=0.0, eos_threshold=NO_EOS, max_frames=6, seed=1, **policy)
+
+
+async def next_done(events: list, it) -> ClauseDone:
+    async with asyncio.timeout(30):
+        async for event in it:
+            events.append(event)
+            if isinstance(event, ClauseDone):
+                return event
+    raise AssertionError("the stream ended without a clause")
+
+
+async def test_the_wait_cuts_the_first_clause_with_no_more_text(engine: Engine):
+    stream = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=50))
+    events: list = []
+    it = stream.__aiter__()
+    stream.push_text(" I checked your acc")
+    # No more text and no end: the stream's own timer cuts at the last word boundary.
+    first = await next_done(events, it)
+    assert first.text == "I checked your"
+    stream.push_text("ount and it is fine.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        events += [event async for event in it]
+    done = [e for e in events if isinstance(e, ClauseDone)]
+    assert [d.text for d in done] == ["I checked your", "account and it is fine."]
+    words = [w for d in done for w in d.words]
+    assert " ".join(w.word for w in words) == "I checked your account and it is fine."
+    assert all(a.end <= b.start + 1e-9 for a, b in zip(words, words[1:], strict=False))
+    assert any(isinstance(e, AudioChunk) for e in events)
+
+
+async def test_a_stall_mid_turn_cuts_once_and_the_turn_goes_on(engine: Engine):
+    """A short wait and a stall many times longer (the 10 s stall, scaled down)."""
+    text = "So I looked into it and the order is on its way, it should arrive on Monday."
+    tokens = llm_tokens(text)
+    stream = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=30))
+    for token in tokens[:4]:
+        stream.push_text(token)
+    await asyncio.sleep(0.4)
+    for token in tokens[4:]:
+        stream.push_text(token)
+    stream.end_input()
+    async with asyncio.timeout(60):
+        events = [event async for event in stream]
+    done = [e for e in events if isinstance(e, ClauseDone)]
+    assert done[0].text == "So I looked"
+    assert_words_kept(text, [d.text for d in done])
+    words = [w for d in done for w in d.words]
+    assert [w.word for w in words] == text.split()
+    assert all(a.start <= a.end <= b.start + 1e-9 for a, b in zip(words, words[1:], strict=False))
+
+
+# ---- seams (issue 47, item 4)
+
+
+def assert_seamless(audio: np.ndarray, seams: list[int]) -> None:
+    """No jump at a seam larger than the largest sample-to-sample step inside the clauses, and
+    the spectral flux of every frame across a seam within the 99th percentile of the turn's."""
+    steps = np.abs(np.diff(audio))
+    inside = np.ones(len(steps), dtype=bool)
+    inside[[s - 1 for s in seams]] = False
+    largest = steps[inside].max()
+    for seam in seams:
+        assert steps[seam - 1] <= largest, (seam, steps[seam - 1], largest)
+    win, hop = 960, 480  # 40 ms windows, 20 ms apart
+    starts = np.arange(0, len(audio) - win, hop)
+    spectra = np.abs(np.fft.rfft(audio[starts[:, None] + np.arange(win)] * np.hanning(win)))
+    flux = np.sqrt((np.maximum(spectra[1:] - spectra[:-1], 0) ** 2).sum(axis=1))
+    limit = np.percentile(flux, 99)
+    for seam in seams:
+        across = [i for i, start in enumerate(starts[1:]) if start < seam < start + win]
+        assert across and flux[across].max() <= limit, (seam, flux[across].max(), limit)
+
+
+async def seam_turn(engine: Engine) -> tuple[np.ndarray, list[ClauseDone]]:
+    """A turn cut by the policy both ways: a one-word first clause ("Hmm,"); then, after a
+    flush, a first clause cut by its wait in mid-sentence; then later clauses."""
+    stream = engine.stream(
+        None, GenerationOptions(temperature=0.0, seed=4, max_frames=20, first_clause_max_wait_ms=20)
+    )
+    events: list = []
+    it = stream.__aiter__()
+    for token in llm_tokens("Hmm, I don't see a reservation under that name."):
+        stream.push_text(token)
+    stream.flush()
+    await next_done(events, it)
+    await next_done(events, it)
+    stream.push_text(" Could you spell your")
+    assert (await next_done(events, it)).text == "Could you spell"  # the wait's cut
+    for token in llm_tokens(" last name for me, please? I will look again."):
+        stream.push_text(token)
+    stream.end_input()
+    async with asyncio.timeout(60):
+        events += [event async for event in it]
+    audio = np.concatenate([e.samples for e in events if isinstance(e, AudioChunk)])
+    return audio, [e for e in events if isinstance(e, ClauseDone)]
+
+
+async def test_seams_of_a_turn_cut_by_the_policy_are_continuous(engine: Engine):
+    audio, done = await seam_turn(engine)
+    assert done[0].text == "Hmm,"
+    assert len(done) >= 5
+    seams = [d.start_sample for d in done[1:]]
+    assert_seamless(audio, seams)
+    # The check can fail: the same audio with 10 ms of silence at a seam, or with the rest of
+    # the turn's waveform flipped there (a jump), is not seamless.
+    for broken in (
+        np.concatenate([audio[: seams[1]], np.zeros(240, np.float32), audio[seams[1] :]]),
+        np.concatenate([audio[: seams[1]], -audio[seams[1] :]]),
+    ):
+        with pytest.raises(AssertionError):
+            assert_seamless(broken, seams[:2])
+
+
+async def test_seams_are_continuous_at_full_size(full_checkpoint: Path):
+    """The same at the full-size architecture (random weights), temperature 0."""
+    engine = Engine(load_model(full_checkpoint), EngineConfig(num_pages=512, lead_s=None)).start()
+    try:
+        audio, done = await seam_turn(engine)
+    finally:
+        engine.close()
+    assert_seamless(audio, [d.start_sample for d in done[1:]])
+
+
+# ---- the deadline rule (issue 47, item 3)
+
+
+def test_cut_now_takes_the_best_boundary_there_is(tiny_model: LoadedModel):
+    sp = ClauseSplitter(tiny_model.tokenizer, first_clause_min_words=1)
+    assert sp.push("Sure. ") == ["Sure."]
+    assert sp.cut_now() == []  # nothing held
+    assert sp.push("Well, I think that we") == []  # "Well," is too short for a later clause
+    assert sp.cut_now() == ["Well, I think that"]  # the comma keeps under half the words
+    assert sp.push(" do, I am look") == []
+    assert sp.cut_now() == ["we do,"]  # "I am" waits: the comma keeps half the words
+    assert sp.push("ing at 3:45 p") == []
+    assert sp.cut_now() == ["I am looking at"]  # never inside "3:45 pm"
+    assert sp.end() == ["3:45 p"]
+
+
+def played(events: list) -> float:
+    return sum(len(e.samples) for e in events if isinstance(e, AudioChunk)) / 24000
+
+
+async def test_the_deadline_rule_cuts_before_the_audio_runs_out(engine: Engine):
+    """Every clause given is spoken and the next is not complete: it is cut once the audio left
+    is within `cut_before_dry_s`, on its own timer or at a playback report, and not before."""
+    margin = engine.config.cut_before_dry_s
+    assert margin is not None
+    stream = engine.stream(None, options(first_clause_min_words=1))
+    stream.report_playback(0.0)  # the listener's position is what it reports
+    events: list = []
+    it = stream.__aiter__()
+    for token in llm_tokens("Sure. I am looking"):
+        stream.push_text(token)
+    assert (await next_done(events, it)).text == "Sure."
+    # 480 ms of audio, little played: the words wait (their timer is 100 ms away).
+    assert stream.metrics.clauses == 1
+    stream.report_playback(played(events) - margin - 0.1)
+    assert stream.metrics.clauses == 1
+    stream.report_playback(played(events) - margin + 0.01)  # now within the margin
+    assert stream.metrics.clauses == 2
+    assert (await next_done(events, it)).text == "I am"  # "looking" may go on
+    # On its own timer this time: 100 ms before the margin.
+    stream.push_text(" for the booking you made")
+    stream.report_playback(played(events) - margin - 0.1)
+    assert stream.metrics.clauses == 2
+    assert (await next_done(events, it)).text == "looking for the booking you"
+    stream.push_text(" yesterday.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        events += [event async for event in it]
+    done = [e for e in events if isinstance(e, ClauseDone)]
+    assert_words_kept(
+        "Sure. I am looking for the booking you made yesterday.", [d.text for d in done]
+    )
