@@ -130,7 +130,9 @@ for model in full 2m; do
   echo "== stages, $model ($((SECONDS - started)) s)"
   timeout "$(limit 40)" "$PY" bench/stages.py --model "$ckpt" --device cuda --threads 1 \
     --batches 1,8,16,64 --repeats 20 --out "$OUT/stages-$model.json"
-  # One level per run, merged into one results.json: a level cut off loses only itself.
+  # One level per run, merged into one results.json: a level cut off loses only itself. Rows
+  # and KV pages for every stream of the largest level at once (the engine's defaults are sized
+  # for a CPU).
   sweep="$OUT/sweep-$model"
   for level in $LEVELS; do
     c=${level%%:*}
@@ -139,8 +141,8 @@ for model in full 2m; do
     merge=()
     [ -f "$sweep/results.json" ] && merge=(--merge-from "$sweep")
     timeout "$(limit 45)" "$PY" bench/run.py --model "$ckpt" --device cuda --modes batched \
-      --concurrency "$c" --requests "${level##*:}" --max-active 256 --warmup 2 --out "$sweep" \
-      "${merge[@]}"
+      --concurrency "$c" --requests "${level##*:}" --max-active 256 --kv-memory-mb 4096 \
+      --warmup 2 --out "$sweep" "${merge[@]}"
     [ $? -eq 124 ] && echo "sweep $model c=$c cut off"
   done
   rm -rf "$ckpt"  # random weights: not worth bringing back

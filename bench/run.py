@@ -111,7 +111,7 @@ async def run_worker(spec: dict) -> list[dict]:
         engine_options["dtype"] = "float32"
     if spec.get("max_active"):
         engine_options["max_active"] = spec["max_active"]
-    for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun"):
+    for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun", "kv_memory_mb"):
         if spec.get(name):
             engine_options[name] = spec[name]
     if base != "batched-paced":
@@ -271,6 +271,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="EngineConfig.max_prefill_rows_near_underrun of the in-process engine modes (default:"
         " the engine's, 16); --max-active's value lets a burst of new streams in one pass",
     )
+    parser.add_argument(
+        "--kv-memory-mb",
+        type=float,
+        default=None,
+        help="EngineConfig.kv_memory_mb of the in-process engine modes (default: the engine's,"
+        " 256: ~36 full-size streams of 150 positions); a GPU sweep at c=256 needs ~4096",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -320,6 +327,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "max_active": args.max_active,
         "max_decode_row_frames": args.max_decode_row_frames,
         "max_prefill_rows_near_underrun": args.max_prefill_rows_near_underrun,
+        "kv_memory_mb": args.kv_memory_mb,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
