@@ -278,7 +278,9 @@ class Engine:
             transformer = shared.transformer
             self.model.flow_lm.transformer = int8_linears(transformer) or transformer
         if precision.flow_head_bf16:
-            self.model.flow_lm.flow_net = bf16_linears(shared.flow_net)
+            # The engine's own copy (made on the device) is converted where it is.
+            own = shared is not loaded.model.flow_lm
+            self.model.flow_lm.flow_net = bf16_linears(shared.flow_net, in_place=own)
         devices.configure_precision(self.device, precision.flow_lm == torch.float32)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,17 @@ def fake_cuda() -> None:
     the no-op one)."""
     if not torch.backends.cuda.is_built() and not load_torch_library(GUARD):
         pytest.skip("no C++ compiler for the no-op CUDA device guard")
+
+
+@pytest.fixture
+def tf32_on() -> Iterator[None]:
+    """TF32 allowed, as torch leaves cuDNN by default (the float32 path turns it off); the
+    process's settings again afterwards."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = True
+    yield
+    cudnn.allow_tf32, matmul.allow_tf32 = saved
 
 
 class SharedFakeMode(FakeTensorMode):
@@ -171,7 +182,7 @@ async def cancel_request(engine: Engine) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", list(TINY_FAMILIES))
 async def test_a_request_on_fake_cuda_mixes_no_devices(
-    fake_cuda, family, preset: str, dtype: str, monkeypatch
+    fake_cuda, tf32_on, family, preset: str, dtype: str, monkeypatch
 ) -> None:
     # Real weights on the host; the engine makes its copy on "cuda" from them.
     loaded, state_file = family(preset)
@@ -192,6 +203,8 @@ async def test_a_request_on_fake_cuda_mixes_no_devices(
         assert engine.device == torch.device("cuda", 0)
         assert loaded.model.device == torch.device("cpu"), "the caller's model moved"
         assert engine.runner.pool.keys.device == engine.device
+        tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        assert tf32 == ((False, False) if dtype == "float32" else (True, True))
         engine.add_voice("state", state_file)
         with engine:
             events = await asyncio.wait_for(run_request(engine, "state"), 60)
@@ -201,3 +214,27 @@ async def test_a_request_on_fake_cuda_mixes_no_devices(
     assert len(clauses) >= 2, "clauses after the first are prefilled with the previous tail"
     assert chunks and all(c.samples.size > 0 for c in chunks)
     assert ios[-1].reads > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "want"),
+    [("cuda", 2, "cuda:0"), ("cuda:1", 2, "cuda:1"), ("cpu", 0, "cpu"), ("cuda:0", 1, "cuda:0")],
+)
+def test_a_device_name_resolves_to_an_indexed_device(name: str, gpus: int, want: str) -> None:
+    assert devices.resolve_device(name, gpus) == torch.device(want)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "says"),
+    [
+        ("cuda:2", 2, "has 2 GPU"),
+        ("cuda", 0, "sees no GPU"),
+        ("cuda:0", 0, "sees no GPU"),
+        ("mps", 1, "cpu or cuda"),
+        ("gpu", 1, "not a torch device"),
+    ],
+)
+def test_a_bad_device_is_refused_with_a_clear_error(name: str, gpus: int, says: str) -> None:
+    with pytest.raises(ValueError, match="EngineConfig.device") as error:
+        devices.resolve_device(name, gpus)
+    assert says in str(error.value)
