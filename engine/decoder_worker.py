@@ -371,18 +371,21 @@ class DecoderWorker:
 
     def _decode(self, rows: list[list[LatentItem]]) -> np.ndarray:
         """Audio [rows, frames * samples_per_frame] on the host."""
-        states = self.runner.decoder_states
+        states, io = self.runner.decoder_states, self.runner.io
+        # The AR stream made these latents, and the histories of first frames it decoded: this
+        # stream reads them after it, and their memory is not reused before it has.
+        io.take_over(self.stage)
         for row in rows:
             request = row[0].request
             if request.decoder_slot is None:
                 request.decoder_slot = states.acquire()
                 if request.decoder_saved is not None:
+                    for tensor in request.decoder_saved.values():
+                        self.stage.keep(tensor)
                     states.restore(request.decoder_slot, request.decoder_saved)
                     request.decoder_saved = None
         slots = [row[0].request.decoder_slot for row in rows]
         started = time.perf_counter()
-        io = self.runner.io
-        io.take_over(self.stage)  # the AR stream made these latents
         latents = stack_latents(rows)
         for row in rows:
             for item in row:
