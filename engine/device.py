@@ -58,15 +58,6 @@ def resolve_device(name: str | torch.device, gpus: int, current: int = 0) -> tor
     return torch.device("cuda", index)
 
 
-def configure_precision(device: torch.device, float32: bool) -> None:
-    """The float32 path computes in float32 on a GPU too: TF32 (10-bit mantissa) matmuls and
-    convolutions would put it ~1e-3 from the CPU, ten times the equivalence tolerance (1e-4).
-    Process-wide torch settings, set only for a CUDA engine's float32 path."""
-    if device.type == "cuda" and float32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-
-
 def module_on(
     module: M, device: torch.device, dtype_of: Callable[[torch.Tensor], torch.dtype | None]
 ) -> M:

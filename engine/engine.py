@@ -67,7 +67,7 @@ from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.pacing import Playback
-from intone.engine.precision import resolve_precision
+from intone.engine.precision import configure_precision, resolve_precision
 from intone.engine.scheduler import Need, Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import Stream
@@ -281,7 +281,7 @@ class Engine:
             # The engine's own copy (made on the device) is converted where it is.
             own = shared is not loaded.model.flow_lm
             self.model.flow_lm.flow_net = bf16_linears(shared.flow_net, in_place=own)
-        devices.configure_precision(self.device, precision.flow_lm == torch.float32)
+        configure_precision(self.device, precision.flow_lm == torch.float32)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes
         num_pages = config.num_pages or max(

@@ -1,11 +1,13 @@
 """The engine on a CUDA device: `pytest -m cuda` (skipped where there is none).
 
-Each stage on the device equals the CPU within `STAGE_REL`: prefill, AR step, flow head, decode
-and voice registration (`test_*_on_cuda_equals_the_cpu`). The float32 path runs without TF32
-(`intone.engine.device.configure_precision`, which these tests apply as the engine does): what
-is left is the order of float32 sums in the device's kernels, ~1e-6 relative per operation; a
-stage chains a few hundred of them, so 1e-4 relative RMS (the CPU suite's equivalence tolerance)
-with headroom for the decoder's long convolution chain.
+Each stage on the device equals the CPU within a stated tolerance: prefill, AR step, flow head,
+decode and voice registration (`test_*_on_cuda_equals_the_cpu`). The float32 path runs without
+TF32 (`intone.engine.precision.configure_precision`, applied here as the engine applies it): what
+is left is the order of float32 sums in the device's kernels, ~1e-6 relative per operation, so a
+stage is held to the CPU suite's equivalence tolerance, 1e-4 relative RMS (`STAGE_REL`), and the
+decoder, a long chain of convolutions whose algorithms cuDNN picks, to 1e-3 (`DECODE_REL`). These
+bounds have not met a GPU yet (none was lent while they were written): a device run that exceeds
+one reports its measured error.
 
 The step functions run with `torch.cuda.set_sync_debug_mode("error")`, so a host read-back or a
 blocking copy inside a step fails; the engine's equivalence and fault containment are checked on
@@ -29,9 +31,9 @@ from test_engine import TEXTS, Reference, options, rel_rms, run_request, voice_p
 
 from intone.engine import Engine, EngineConfig, EngineFailedError
 from intone.engine.block_manager import BlockManager
-from intone.engine.device import configure_precision
 from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import ModelRunner
+from intone.engine.precision import configure_precision
 from intone.engine.voices import load_voice
 
 pytestmark = [
