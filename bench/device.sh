@@ -34,7 +34,9 @@ psutil setuptools"
 offline_install() {  # $1: python; installs the wheelhouse and intone (editable), no registry
   local py=$1
   [ -d "$WHEELHOUSE" ] || { echo "no $WHEELHOUSE: run bench/device_kit.sh first"; return 1; }
-  # No pip configuration: nothing but the wheelhouse is looked at.
+  # No pip configuration: nothing but the wheelhouse is looked at. A throwaway GPU machine's
+  # system Python may be marked externally managed (PEP 668): installed into all the same.
+  export PIP_BREAK_SYSTEM_PACKAGES=1
   env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_CONFIG_FILE=/dev/null \
     "$py" -m pip install -q --no-index --find-links "$WHEELHOUSE" -r "$REQUIREMENTS" || return 1
   # intone's torch requirement is the machine's own torch: not resolved against the wheelhouse.
@@ -142,7 +144,7 @@ for model in full 2m; do
     [ -f "$sweep/results.json" ] && merge=(--merge-from "$sweep")
     timeout "$(limit 45)" "$PY" bench/run.py --model "$ckpt" --device cuda --modes batched \
       --concurrency "$c" --requests "${level##*:}" --max-active 256 --kv-memory-mb 4096 \
-      --warmup 2 --out "$sweep" "${merge[@]}"
+      --warmup 2 --out "$sweep" ${merge[@]+"${merge[@]}"}
     [ $? -eq 124 ] && echo "sweep $model c=$c cut off"
   done
   rm -rf "$ckpt"  # random weights: not worth bringing back
