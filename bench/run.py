@@ -113,7 +113,7 @@ async def run_worker(spec: dict) -> list[dict]:
         engine_options["max_active"] = spec["max_active"]
     if spec.get("pacing"):
         engine_options["pacing"] = spec["pacing"]
-    for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun"):
+    for name in ("max_decode_row_frames", "max_prefill_rows_near_underrun", "kv_memory_mb"):
         if spec.get(name):
             engine_options[name] = spec[name]
     if base != "batched-paced":
@@ -281,6 +281,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="EngineConfig.max_prefill_rows_near_underrun of the in-process engine modes (default:"
         " the engine's, 16); --max-active's value lets a burst of new streams in one pass",
     )
+    parser.add_argument(
+        "--kv-memory-mb",
+        type=float,
+        default=None,
+        help="EngineConfig.kv_memory_mb of the in-process engine modes (default: the engine's,"
+        " 256: ~36 full-size streams of 150 positions); a GPU sweep at c=256 needs ~4096",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a worker's spec JSON
     args = parser.parse_args(argv)
     if args.worker:
@@ -331,6 +338,7 @@ def run_mode(mode: str, args: argparse.Namespace, fast: dict) -> tuple[list[dict
         "pacing": args.pacing,
         "max_decode_row_frames": args.max_decode_row_frames,
         "max_prefill_rows_near_underrun": args.max_prefill_rows_near_underrun,
+        "kv_memory_mb": args.kv_memory_mb,
     }
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))

@@ -78,7 +78,10 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
         thresholds = torch.full((rows,), 1e9, device=device)
         order_t = torch.tensor(order, device=device)
-        inputs = GenerateInputs(previous, positions, attention, noise, thresholds, order_t, rows)
+        back = torch.argsort(order_t)
+        inputs = GenerateInputs(
+            previous, positions, attention, noise, thresholds, order_t, rows, back
+        )
 
         def call():
             with torch.no_grad():
@@ -222,7 +225,7 @@ def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list
         for name, attention in (*attentions.items(), ("gather", gather)):
             inputs = GenerateInputs(
                 fixed[0], positions, attention, fixed[1], torch.full((rows,), 1e9),
-                torch.tensor(order), rows,
+                torch.tensor(order), rows, torch.argsort(torch.tensor(order)),
             )  # fmt: skip
             calls[name] = lambda inputs=inputs: runner.generate_step(inputs)
         times: dict[str, list[float]] = {name: [] for name in calls}

@@ -8,7 +8,6 @@ from typing import BinaryIO
 import numpy as np
 import soundfile
 import soxr
-import torch
 
 
 def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
@@ -32,13 +31,14 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 
 
 def end_on_pause(
-    wav: torch.Tensor,
+    wav: np.ndarray,
     sample_rate: int,
     pause_sec: float = 0.08,
     fade_sec: float = 0.02,
     floor_db: float = 35.0,
-) -> torch.Tensor:
-    """End a voice prompt [..., T] on exactly `pause_sec` of silence, as the reference does.
+) -> np.ndarray:
+    """End a voice prompt [..., T] (float32, on the host) on exactly `pause_sec` of silence, as
+    the reference does.
 
     A prompt that stops mid-word makes the model continue that word; one that ends on a long
     silence delays the onset. Cut the trailing silence (20 ms frames more than `floor_db` below
@@ -48,15 +48,16 @@ def end_on_pause(
     n = wav.shape[-1] // frame
     if n == 0:
         return wav
-    rms = wav[..., : n * frame].reshape(-1, n, frame).square().mean(dim=(0, 2)).sqrt()
-    db = 20 * torch.log10(rms + 1e-12)
-    loud = torch.nonzero(db > db.max() - floor_db).flatten()
+    frames = wav[..., : n * frame].reshape(-1, n, frame)
+    rms = np.sqrt(np.square(frames).mean(axis=(0, 2), dtype=np.float32))
+    db = 20 * np.log10(rms + np.float32(1e-12))
+    loud = np.flatnonzero(db > db.max() - floor_db)
     end = (int(loud[-1]) + 1) * frame
-    wav = wav[..., :end].clone()
+    wav = wav[..., :end].copy()
     fade = min(int(fade_sec * sample_rate), end)
-    wav[..., end - fade :] *= torch.linspace(1, 0, fade, dtype=wav.dtype)
-    pause = wav.new_zeros(*wav.shape[:-1], int(pause_sec * sample_rate))
-    return torch.cat([wav, pause], dim=-1)
+    wav[..., end - fade :] *= np.linspace(1, 0, fade, dtype=wav.dtype)
+    pause = np.zeros((*wav.shape[:-1], int(pause_sec * sample_rate)), dtype=wav.dtype)
+    return np.concatenate([wav, pause], axis=-1)
 
 
 def write_wav(

@@ -55,6 +55,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from intone.engine.events import AudioChunk, ClauseDone
@@ -127,6 +128,8 @@ class DecoderWorker:
         yield_after_s: float | None = None,
     ):
         self.runner = runner
+        # Decode calls run on a CUDA stream of their own (nothing on a CPU).
+        self.stage = runner.io.stage()
         self.paced = paced
         self.yield_after_s = yield_after_s
         # Set by the AR thread while it computes new streams' first latents and frames.
@@ -183,7 +186,8 @@ class DecoderWorker:
 
     def _loop(self) -> None:
         try:
-            self._serve()
+            with self.stage.enter():
+                self._serve()
         except BaseException as e:
             logger.exception("the decoder stage failed")
             self.on_fatal(f"decoder stage failed: {e!r}", e)
@@ -317,8 +321,8 @@ class DecoderWorker:
     def _decode_with_retry(
         self,
         rows: list[list[LatentItem]],
-        decode: Callable[[list[list[LatentItem]]], torch.Tensor],
-    ) -> list[tuple[list[LatentItem], torch.Tensor]]:
+        decode: Callable[[list[list[LatentItem]]], np.ndarray],
+    ) -> list[tuple[list[LatentItem], np.ndarray]]:
         """Decode `rows` together; if that fails, each alone, failing only rows that fail alone."""
         if not rows:
             return []
@@ -377,20 +381,28 @@ class DecoderWorker:
             self.runner.decoder_states.release(request.decoder_slot)
             request.decoder_slot = None
 
-    def _decode(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+    def _decode(self, rows: list[list[LatentItem]]) -> np.ndarray:
         """Audio [rows, frames * samples_per_frame] on the host."""
-        states = self.runner.decoder_states
+        states, io = self.runner.decoder_states, self.runner.io
+        # The AR stream made these latents, and the histories of first frames it decoded: this
+        # stream reads them after it, and their memory is not reused before it has.
+        io.take_over(self.stage)
         for row in rows:
             request = row[0].request
             if request.decoder_slot is None:
                 request.decoder_slot = states.acquire()
                 if request.decoder_saved is not None:
+                    for tensor in request.decoder_saved.values():
+                        self.stage.keep(tensor)
                     states.restore(request.decoder_slot, request.decoder_saved)
                     request.decoder_saved = None
         slots = [row[0].request.decoder_slot for row in rows]
         started = time.perf_counter()
         latents = stack_latents(rows)
-        audio = self.runner.decode(slots, latents).cpu()
+        for row in rows:
+            for item in row:
+                self.stage.keep(item.latent)
+        audio = io.array(self.runner.decode(slots, latents))
         elapsed = time.perf_counter() - started
         self.metrics.step("decode", len(rows), elapsed)
         cost = elapsed / (latents.shape[0] * latents.shape[1])
@@ -398,7 +410,7 @@ class DecoderWorker:
         self.call_s = running_mean(self.call_s, elapsed)
         return audio
 
-    def _decode_outside_pool(self, rows: list[list[LatentItem]]) -> torch.Tensor:
+    def _decode_outside_pool(self, rows: list[list[LatentItem]]) -> np.ndarray:
         """`_decode` for streams whose history is their own (`Request.decoder_saved`), not a
         slot's: fresh before their first frame."""
         started = time.perf_counter()
@@ -407,9 +419,9 @@ class DecoderWorker:
         self.metrics.step("decode", len(rows), time.perf_counter() - started)
         for row, history in zip(rows, histories, strict=True):
             row[0].request.decoder_saved = history
-        return audio.cpu()
+        return self.runner.io.array(audio)
 
-    def _deliver(self, row: list[LatentItem], samples: torch.Tensor) -> None:
+    def _deliver(self, row: list[LatentItem], samples: np.ndarray) -> None:
         request = row[0].request
         frame_size = samples.shape[-1] // len(row)
         for index, item in enumerate(row):
@@ -419,12 +431,12 @@ class DecoderWorker:
                 frame = fade_in(frame, self.sample_rate)
                 request.metrics.first_audio_at = delivered_at
             request.frames_delivered += 1
-            request.metrics.audio_samples += frame.numel()
-            seconds = frame.numel() / self.sample_rate
+            request.metrics.audio_samples += frame.size
+            seconds = frame.size / self.sample_rate
             request.playback.deliver(seconds, delivered_at)
             self.metrics.audio(seconds)
             if not dropped(request):
-                request.sink(AudioChunk(frame.numpy(), item.clause))
+                request.sink(AudioChunk(frame, item.clause))
 
 
 def running_mean(previous: float | None, value: float) -> float:

@@ -36,6 +36,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from intone.engine import admission
+from intone.engine import device as devices
 from intone.engine.admission import Admission
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.cpu_memory import keep_freed_memory
@@ -68,7 +69,7 @@ from intone.engine.models.pocket.gemm_decoder import TRACE_AFTER_CALLS
 from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
 from intone.engine.pacing import PACING_MODES, Need, PacingMode, PacingPolicy, Playback
-from intone.engine.precision import resolve_precision
+from intone.engine.precision import configure_precision, resolve_precision
 from intone.engine.scheduler import Scheduler
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.stream import Stream
@@ -211,14 +212,8 @@ class EngineConfig:
     voice_cache_mb: float | None = None
 
     def validate(self) -> None:
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(f"EngineConfig.device: {self.device!r} is not a torch device") from e
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"EngineConfig.device must be cpu or cuda[:N], not {self.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.device is {self.device!r}, but this torch sees no GPU")
+        # cpu, or cuda[:N] with N a GPU this machine has.
+        devices.device_io(self.device)
         resolve_precision(self.dtype, self.device)
         if self.max_active != "auto" and (
             isinstance(self.max_active, bool) or not isinstance(self.max_active, int)
@@ -274,7 +269,8 @@ class Engine:
         self.config = config = config or EngineConfig()
         config.validate()
         self.loaded = loaded
-        self.device = torch.device(config.device)
+        self.io = devices.device_io(config.device)
+        self.device = self.io.device
         if config.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
         threads = config.torch_threads
@@ -286,9 +282,20 @@ class Engine:
             torch.set_num_threads(threads)
         self.model = loaded.model
         precision = resolve_precision(config.dtype, config.device)
+        shared = loaded.model.flow_lm
+        if loaded.model.device != self.device:
+            # A copy made on the device, tensor by tensor: `.to` would move the caller's model in
+            # place, and a copy on the host first would hold the weights twice there.
+            transformer = {id(t) for t in shared.transformer.parameters()}
+            transformer |= {id(t) for t in shared.transformer.buffers()}
+            self.model = devices.module_on(
+                loaded.model,
+                self.device,
+                lambda t: precision.flow_lm if id(t) in transformer else None,
+            )
+            shared = self.model.flow_lm
         # The loaded model may be shared with float32 users: change a copy. Parts that are
         # converted into new modules anyway are shared with it, not copied first.
-        shared = loaded.model.flow_lm
         converted = [
             part
             for part, convert in (
@@ -297,16 +304,18 @@ class Engine:
             )
             if convert
         ]
-        if converted or precision.flow_lm != torch.float32:
+        if self.model is loaded.model and (converted or precision.flow_lm != torch.float32):
             self.model = copy.deepcopy(loaded.model, {id(part): part for part in converted})
+            if not precision.flow_lm_int8:
+                self.model.flow_lm.transformer.to(precision.flow_lm)
         if precision.flow_lm_int8:
             transformer = shared.transformer
             self.model.flow_lm.transformer = int8_linears(transformer) or transformer
-        elif precision.flow_lm != torch.float32:
-            self.model.flow_lm.transformer.to(precision.flow_lm)
         if precision.flow_head_bf16:
-            self.model.flow_lm.flow_net = bf16_linears(shared.flow_net)
-        self.model.to(self.device)
+            # The engine's own copy (made on the device) is converted where it is.
+            own = shared is not loaded.model.flow_lm
+            self.model.flow_lm.flow_net = bf16_linears(shared.flow_net, in_place=own)
+        configure_precision(self.device, precision.flow_lm == torch.float32)
         flow_lm = self.model.flow_lm
         slot_bytes = flow_lm.new_kv_pool(0, device="cpu").slot_bytes
         num_pages = config.num_pages or max(
@@ -329,6 +338,7 @@ class Engine:
                 # thread (intra-op threads stall on a core that is shared).
                 decode_parts=budget.cores if budget and self.device.type == "cpu" else 1,
                 native_kernels=config.native_kernels,
+                io=self.io,
             )
 
         self._frame_seconds = self.model.samples_per_frame / self.sample_rate
@@ -355,6 +365,8 @@ class Engine:
             self._frame_seconds,
             config.max_decode_frames,
         )
+        # Each stage's device work on a stream of its own (on a GPU; nothing on a CPU).
+        self._ar_stage = self.io.stage()
         self.scheduler = Scheduler(
             self.runner,
             self.blocks,
@@ -423,6 +435,8 @@ class Engine:
             if name == loaded.default_voice:
                 self.add_voice(name, source)
         self.default_voice = loaded.default_voice
+        # The stages' streams start after the setup work on this thread's stream.
+        self.io.synchronize()
 
     @classmethod
     def from_model(
@@ -590,6 +604,8 @@ class Engine:
             raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
         try:
             self.runner.write_voice(table, voice)
+            # Written on this thread's stream; the AR stage reads it on its own.
+            self.io.synchronize()
         except Exception as e:
             self.blocks.release(table)
             raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
@@ -842,7 +858,8 @@ class Engine:
 
     def _ar_main(self) -> None:
         try:
-            self._ar_loop()
+            with self._ar_stage.enter():
+                self._ar_loop()
         except BaseException as e:
             logger.exception("the AR stage failed")
             self._fail(f"AR stage failed: {e!r}", e)
@@ -986,7 +1003,7 @@ class Engine:
         def run(stage: str, what: str, call, batch: list[Request]) -> list:
             def step(rows: list[Request]) -> list[tuple[torch.Tensor, bool]]:
                 latents, eos = call(rows, [noise_of[r.id] for r in rows])
-                return list(zip(latents, eos.tolist(), strict=True))
+                return list(zip(latents, self.io.values(eos), strict=True))
 
             started = time.perf_counter()
             done, failures = run_rows(step, batch)
@@ -1049,6 +1066,8 @@ class Engine:
         them. An idle decoder takes a new stream's latents at once."""
         ended, starting, intervals = [], [], []
         decoder_idle = self.decoder.idle
+        # The decoder's stream reads these latents after the AR stream made them.
+        self.io.hand_over(self._ar_stage)
         t = now()
         yielded = 0.0
         for request, (latent, is_eos) in done:
@@ -1084,6 +1103,7 @@ class Engine:
                 request.in_decoder = len(request.latents) >= FIRST_FRAMES_ON_AR
         if first:
             self.decoder.decode_first_frames(first)
+            self.io.hand_over(self._ar_stage)  # their histories go to the decoder too
         for request in ended:
             assert request.clause is not None and request.progress is not None
             self._hand_over(request)

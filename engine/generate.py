@@ -13,7 +13,9 @@ import queue
 import secrets
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from intone.engine.loading import LoadedModel
@@ -25,12 +27,18 @@ from intone.engine.voices import Voice
 # The reference fades in the first 5 ms (sample_rate // 200) of a fresh decoder state to hide a
 # small step in its first samples.
 FADE_IN_DIVISOR = 200
+T = TypeVar("T", torch.Tensor, np.ndarray)
 
 
-def fade_in(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
-    ramp = torch.linspace(0, 1, sample_rate // FADE_IN_DIVISOR, dtype=audio.dtype)
-    n = min(ramp.numel(), audio.shape[-1])
-    audio[..., :n] *= ramp[:n]
+def fade_in(audio: T, sample_rate: int) -> T:
+    """A stream's first samples ramped up from 0, in place: a tensor or a host array (the
+    engine's audio, read back from the device)."""
+    ramp = np.linspace(0, 1, sample_rate // FADE_IN_DIVISOR, dtype=np.float32)
+    n = min(ramp.size, audio.shape[-1])
+    if isinstance(audio, np.ndarray):
+        audio[..., :n] *= ramp[:n]
+    else:
+        audio[..., :n] *= torch.from_numpy(ramp[:n]).to(audio)
     return audio
 
 

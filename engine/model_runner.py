@@ -24,6 +24,7 @@ import torch
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.decoder_states import DecoderStatePool
+from intone.engine.device import DeviceIO
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.gemm_decoder import GemmDecoder, make_decoder
@@ -70,6 +71,7 @@ class GenerateInputs:
     eos_thresholds: torch.Tensor  # [B']
     order: torch.Tensor  # [B']
     rows: int
+    back: torch.Tensor  # [rows]: the requests' order from lane order (`order`'s inverse)
 
 
 # Positions reserved per AR lane: a 30 s voice prompt (375), a clause of 50 tokens and its
@@ -100,8 +102,11 @@ class ModelRunner:
         thread_budget: ThreadBudget | None = None,
         decode_parts: int = 1,
         native_kernels: bool = True,
+        io: DeviceIO | None = None,
     ):
         self.model = model
+        # Host-side inputs reach the device through it (pinned and asynchronous on a GPU).
+        self.io = io or DeviceIO(device)
         self.flow_lm = model.flow_lm
         self.blocks = blocks
         self.flow_steps = flow_steps
@@ -145,7 +150,7 @@ class ModelRunner:
     @torch.no_grad()
     def prompt_embeddings(self, tokens: list[int], tail: torch.Tensor | None) -> torch.Tensor:
         """A clause's prompt: the chaining tail as extra voice frames, then the text."""
-        text = self.flow_lm.embed_text(torch.tensor(tokens, device=self.device))
+        text = self.flow_lm.embed_text(self.io.upload(torch.tensor(tokens)))
         if tail is None or not tail.shape[0]:
             return text
         return torch.cat([self.flow_lm.embed_tail(tail, self.model.tail_projection), text])
@@ -159,7 +164,7 @@ class ModelRunner:
 
     def write_voice(self, table: PageTable, voice: Voice) -> None:
         """Write a voice's prompt K/V into its freshly allocated pages."""
-        self.pool.write(self.blocks.slots(table).to(self.device), voice.keys, voice.values)
+        self.pool.write(self.io.upload(self.blocks.slots(table)), voice.keys, voice.values)
 
     def draw_noise(self, request: Request) -> torch.Tensor:
         """The flow noise of the request's next frame [latent_dim], from its own generator.
@@ -171,9 +176,9 @@ class ModelRunner:
             self.flow_lm.latent_dim,
             [request.temperature],
             [request.noise_clamp],
-            self.device,
+            torch.device("cpu"),
         )
-        return noise[0]
+        return self.io.upload(noise[0])
 
     # ---- prefill
 
@@ -188,13 +193,13 @@ class ModelRunner:
                 SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0] + 1)
             )
             prompts += [request.prompt, self.bos_input]
-        positions, attention = plan_step(self.pool, steps)
+        positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
         ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
         return PrefillInputs(
             torch.cat(prompts),
             positions,
             attention,
-            (ends - 1).to(self.device),
+            self.io.upload(ends - 1),
             torch.stack(noise),
             self._thresholds(requests),
         )
@@ -241,9 +246,11 @@ class ModelRunner:
             thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
         order, positions, attention = plan_lane_step(
-            self.lanes, steps, owners, key_multiple, self.lane_kernel
+            self.lanes, steps, owners, key_multiple, self.lane_kernel, upload=self.io.upload
         )
-        order_t = torch.tensor(order).to(self.device)
+        order_t = self.io.upload(torch.tensor(order))
+        # The requests' order back from lane order, padding dropped: planned on the host.
+        back = sorted(range(len(order)), key=order.__getitem__)[:rows]
         return GenerateInputs(
             previous.index_select(0, order_t),
             positions,
@@ -252,6 +259,7 @@ class ModelRunner:
             thresholds.index_select(0, order_t),
             order_t,
             rows,
+            self.io.upload(torch.tensor(back)),
         )
 
     @torch.no_grad()
@@ -270,8 +278,7 @@ class ModelRunner:
         """One AR step for every request: (latents [B, latent_dim], EOS flags [B]) on the device."""
         inputs = self.generate_inputs(requests, noise)
         latents, eos = self.generate_step(inputs)
-        back = torch.argsort(inputs.order)[: inputs.rows]  # the requests' order, padding dropped
-        return latents.index_select(0, back), eos.index_select(0, back)
+        return latents.index_select(0, inputs.back), eos.index_select(0, inputs.back)
 
     def _sample(
         self, z: torch.Tensor, noise: torch.Tensor, eos_thresholds: torch.Tensor
@@ -281,7 +288,7 @@ class ModelRunner:
 
     def _thresholds(self, requests: list[Request]) -> torch.Tensor:
         thresholds = [r.eos_threshold for r in requests]
-        return torch.tensor(thresholds, dtype=torch.float32).to(self.device)
+        return self.io.upload(torch.tensor(thresholds, dtype=torch.float32))
 
     def _busy(self) -> contextlib.AbstractContextManager:
         """Stage calls count themselves busy so torch's threads follow the busy stage."""
@@ -371,7 +378,7 @@ class ModelRunner:
         """`decode_step` for rows in any order: the audio comes back in the caller's order."""
         # Rows in slot order: a batch holding a run of slots reads their decoder state in place.
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        index = torch.tensor([slots[i] for i in order]).to(self.device)
-        order_t = torch.tensor(order).to(self.device)
-        audio = self.decode_step(index, latents[order_t])
-        return audio.index_select(0, torch.argsort(order_t))
+        back = sorted(range(len(order)), key=order.__getitem__)  # the caller's order again
+        index = self.io.upload(torch.tensor([slots[i] for i in order]))
+        audio = self.decode_step(index, latents[self.io.upload(torch.tensor(order))])
+        return audio.index_select(0, self.io.upload(torch.tensor(back)))

@@ -15,6 +15,8 @@
   float32, and where it is native int8 linears are still faster at decode-step row counts
   (bench/results/cpu-2core-stages/README.md).
   Elsewhere: float32, as before.
+
+On a GPU the float32 path runs without TF32 (`configure_precision`).
 """
 
 from __future__ import annotations
@@ -53,3 +55,12 @@ def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
     return Precision(
         torch.float32, decoder_int8=True, flow_lm_int8=True, flow_head_bf16=native_bf16()
     )
+
+
+def configure_precision(device: torch.device, float32: bool) -> None:
+    """The float32 path computes in float32 on a GPU too: TF32 (10-bit mantissa) matmuls and
+    convolutions would put it ~1e-3 from the CPU, ten times the equivalence tolerance (1e-4).
+    Process-wide torch settings, set only for a CUDA engine's float32 path."""
+    if device.type == "cuda" and float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False

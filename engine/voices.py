@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import safetensors
 import torch
 from safetensors.torch import save_file
@@ -38,32 +39,35 @@ class Voice:
         return self.keys.shape[1]
 
 
-def voice_from_audio(model: PocketTTS, name: str, samples: torch.Tensor, sample_rate: int) -> Voice:
-    """Voice from mono float samples [T] at any rate; the first MAX_VOICE_SECONDS of them."""
+def voice_from_audio(
+    model: PocketTTS, name: str, samples: np.ndarray | torch.Tensor, sample_rate: int
+) -> Voice:
+    """Voice from mono float samples [T] (on the host) at any rate; the first
+    MAX_VOICE_SECONDS of them. The prompt is prepared on the host, in numpy (nothing of it is
+    read back from a device), and moved to the model's device once."""
     if not model.has_voice_encoder:
         raise ValueError(
             "these weights have no Mimi encoder (the release without voice cloning): voices "
             "must be voice-state .safetensors files, not audio. Get access to kyutai/pocket-tts "
             "for voice cloning."
         )
-    if samples.numel() == 0:
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.size == 0:
         raise ValueError(f"voice {name!r} has no audio")
-    if not bool(torch.isfinite(samples).all()):
+    if not np.isfinite(samples).all():
         # A float WAV can hold them; they would reach every KV page the voice fills.
         raise ValueError(f"voice {name!r}: its audio holds NaN or infinite samples")
     max_samples = int(MAX_VOICE_SECONDS * sample_rate)
-    if samples.numel() > max_samples:
+    if samples.size > max_samples:
         logger.info(
             "voice %r: keeping the first %g s of %.1f s of audio",
             name,
             MAX_VOICE_SECONDS,
-            samples.numel() / sample_rate,
+            samples.size / sample_rate,
         )
         samples = samples[:max_samples]
-    samples = torch.as_tensor(
-        resample(samples.numpy(), sample_rate, model.sample_rate), dtype=torch.float32
-    )
-    prompt = end_on_pause(samples[None], model.sample_rate)
+    samples = resample(samples, sample_rate, model.sample_rate)
+    prompt = torch.from_numpy(end_on_pause(samples[None], model.sample_rate))
     with torch.no_grad():
         latents = model.mimi.encode(prompt[None].to(model.device))[0]
         embeddings = model.flow_lm.embed_voice(latents)
@@ -76,15 +80,15 @@ def _prefill_voice(model: PocketTTS, name: str, embeddings: torch.Tensor) -> Voi
     pool = flow_lm.new_kv_pool(length)
     positions, attention = plan_step(pool, [SequenceStep(torch.arange(length), length)])
     flow_lm.backbone(embeddings, positions, attention)
-    return Voice(name, *pool.read(torch.arange(length)))
+    # Read back where the pool lives: a host index into a device pool is refused.
+    return Voice(name, *pool.read(torch.arange(length, device=pool.keys.device)))
 
 
 def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
     """Voice from a pocket-tts voice-state file (`pocket-tts export-voice`, predefined voices)."""
     flow_lm = model.flow_lm
     try:
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        tensors = _read_arrays(path)
     except Exception as e:
         raise ValueError(f"cannot read voice state {path}: {e}") from e
     keys, values = [], []
@@ -94,13 +98,13 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
         if cache is None:
             raise ValueError(f"voice state {path} has no {prefix}/cache: not a voice-state file")
         if f"{prefix}/offset" in tensors:
-            length = int(tensors[f"{prefix}/offset"].view(-1)[0])
+            length = int(tensors[f"{prefix}/offset"].reshape(-1)[0])
         elif f"{prefix}/current_end" in tensors:
             length = tensors[f"{prefix}/current_end"].shape[0]
         else:
             length = cache.shape[2]
         expected = (flow_lm.transformer.num_kv_heads, flow_lm.transformer.head_dim)
-        if cache.dim() != 5 or tuple(cache.shape[3:]) != expected or length == 0:
+        if cache.ndim != 5 or tuple(cache.shape[3:]) != expected or length == 0:
             raise ValueError(
                 f"voice state {path} does not fit this model: cache {tuple(cache.shape)}, "
                 f"length {length}, model kv heads/head_dim {expected}"
@@ -115,7 +119,23 @@ def voice_from_state_file(model: PocketTTS, name: str, path: Path) -> Voice:
             f"voice state {path} does not fit this model: it holds {max(file_layers) + 1} "
             f"layers, the model has {flow_lm.num_layers}"
         )
-    return Voice(name, torch.stack(keys).to(model.device), torch.stack(values).to(model.device))
+    keys_t, values_t = (torch.from_numpy(np.stack(part)) for part in (keys, values))
+    return Voice(name, keys_t.to(model.device), values_t.to(model.device))
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as host arrays (its data is read on the host, never through
+    torch's device dispatch); one in a dtype numpy lacks (bfloat16) in float32."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except TypeError:  # a dtype numpy does not know
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            return {key: _as_array(f.get_tensor(key)) for key in f.keys()}
+
+
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
 
 
 def save_voice_state(voice: Voice, path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -169,4 +189,4 @@ def load_voice(model: PocketTTS, name: str, source: str | Path) -> Voice:
         return voice_from_state_file(model, name, path)
     samples, sample_rate = read_audio(path)
     logger.info("encoding voice %r from %s", name, path)
-    return voice_from_audio(model, name, torch.from_numpy(samples), sample_rate)
+    return voice_from_audio(model, name, samples, sample_rate)

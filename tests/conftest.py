@@ -28,6 +28,13 @@ def full_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def family_checkpoints() -> dict[str, Path]:
+    """One checkpoint per architecture family's preset, made on first use
+    (`support.checkpoints.checkpoint`) and shared by the session."""
+    return {}
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint: Path) -> LoadedModel:
     return load_model(tiny_checkpoint)
 

@@ -25,6 +25,7 @@ from intone.engine.releases import language_of
 from intone.engine.text import split_clauses
 from intone.engine.voices import load_voice
 
+from support.checkpoints import checkpoint
 from support.engine import NO_EOS
 from support.oracle import Reference, ours, relative_error
 
@@ -59,18 +60,6 @@ def checkpoint_language(checkpoint: Path) -> str:
 
     settings = yaml.safe_load((checkpoint / "intone.yaml").read_text())
     return settings["language"]
-
-
-@pytest.fixture(scope="session")
-def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Checkpoints made on first use, one per preset, shared by the session."""
-    return {}
-
-
-def checkpoint(cache: dict[str, Path], preset: str, tmp: pytest.TempPathFactory) -> Path:
-    if preset not in cache:
-        cache[preset] = make_checkpoint(preset, tmp.mktemp(preset), seed=0)
-    return cache[preset]
 
 
 def check_against_reference(path: Path, text: str) -> dict[str, float]:

@@ -40,9 +40,10 @@ class Bf16Linear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
-def bf16_linears(module: M) -> M:
-    """A copy of `module` with every `nn.Linear` in it a `Bf16Linear`."""
-    converted = copy.deepcopy(module)
+def bf16_linears(module: M, in_place: bool = False) -> M:
+    """A copy of `module` (`module` itself, `in_place`) with every `nn.Linear` in it a
+    `Bf16Linear`."""
+    converted = module if in_place else copy.deepcopy(module)
     for parent in list(converted.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -344,7 +344,7 @@ class GemmDecoder:
     groups of rows whose widest activation holds about `seanet_group_values` values. With
     `int8`, the decoder transformer's linear layers run in int8 (`Int8Linear`): its output
     enters the residual stream through a small layer scale, so this costs little accuracy (the
-    fast path's tolerance, tests/test_fast_path.py) and about a fifth of the decoder's time.
+    fast path's tolerance, tests/engine/test_fast_path.py) and about a fifth of the decoder's time.
     With `trace_after`, its two parts (the transformer, and the SEANet per group of rows) run as
     TorchScript traces, one per part and kind of state (pool rows in place or gathered), for
     every row and frame count, from that many calls on (`traces.TraceCache`): the same

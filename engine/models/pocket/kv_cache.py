@@ -12,6 +12,7 @@ num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -311,21 +312,27 @@ class VarlenAttention:
 SlotAttention = DecodeAttention | VarlenAttention
 
 
+Upload = Callable[[torch.Tensor], torch.Tensor]
+
+
 def plan_step(
-    pool: KVPool, steps: list[SequenceStep], key_multiple: int = 1
+    pool: KVPool,
+    steps: list[SequenceStep],
+    key_multiple: int = 1,
+    upload: Upload | None = None,
 ) -> tuple[torch.Tensor, SlotAttention]:
     """Positions [N] and attention metadata for one packed FlowLM step.
 
     In a decode step the key length is rounded up to `key_multiple`, so that step shapes repeat.
-    Everything is planned on the host and moved to the pool's device once; no step reads back
-    from the device.
+    Everything is planned on the host and moved to the pool's device once, by `upload` (the
+    engine's `DeviceIO.upload`; default `.to`); no step reads back from the device.
     """
-    device = pool.keys.device
+    to_device = upload or _to(pool.keys.device)
     lengths = [len(s.slots) for s in steps]
     positions = torch.cat(
         [torch.arange(n - s.num_new, n) for s, n in zip(steps, lengths, strict=True)]
     )
-    write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]).to(device)
+    write_slots = to_device(torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]))
     if all(s.num_new == 1 for s in steps):
         longest = -(-max(lengths) // key_multiple) * key_multiple
         # Pad with slot 0; the bias hides it.
@@ -335,7 +342,7 @@ def plan_step(
         visible = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
         bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
         attention: SlotAttention = DecodeAttention(
-            pool, write_slots, read_slots.to(device), bias[None, :, None, None].to(device)
+            pool, write_slots, to_device(read_slots), to_device(bias[None, :, None, None])
         )
     else:
         biases = []
@@ -343,15 +350,19 @@ def plan_step(
             # Query r (position n - num_new + r) sees keys 0 .. n - num_new + r.
             query_pos = torch.arange(n - s.num_new, n)
             hidden = torch.arange(n)[None, :] > query_pos[:, None]
-            biases.append(torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).to(device))
+            biases.append(to_device(torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))))
         attention = VarlenAttention(
             pool,
             write_slots,
-            [s.slots.to(device) for s in steps],
+            [to_device(s.slots) for s in steps],
             [s.num_new for s in steps],
             biases,
         )
-    return positions.to(device), attention
+    return to_device(positions), attention
+
+
+def _to(device: torch.device) -> Upload:
+    return lambda tensor: tensor.to(device)
 
 
 @dataclass
@@ -409,29 +420,32 @@ def plan_lane_step(
     owners: list[object | None],
     key_multiple: int = 1,
     kernel: LaneKernel | None = None,
+    upload: Upload | None = None,
 ) -> tuple[list[int], torch.Tensor, LaneAttention]:
     """(order, positions [B], attention) for a decode step (one new position per sequence)
     through `lanes`. The step runs its rows in `order` (order[i]: the step in lane i), so its
     inputs and outputs are in that order; `owners` as in `KVLanes.seat`; `kernel`: attend
-    through it (lanes in float32 on the CPU only)."""
+    through it (lanes in float32 on the CPU only); `upload` as in `plan_step`."""
     assert all(s.num_new == 1 for s in steps)
     device = lanes.pool.keys.device
+    to_device = upload or _to(device)
     longest = -(-max(len(s.slots) for s in steps) // key_multiple) * key_multiple
-    order = lanes.seat([s.slots[:-1].to(device) for s in steps], owners, longest)
+    order = lanes.seat([to_device(s.slots[:-1]) for s in steps], owners, longest)
     steps = [steps[i] for i in order]
     lengths = torch.tensor([len(s.slots) for s in steps])
     positions = lengths - 1
     visible = torch.arange(longest)[None, :] < lengths[:, None]
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    device_positions = to_device(positions)
     attention = LaneAttention(
         lanes.pool,
         lanes,
-        torch.cat([s.slots[-1:] for s in steps]).to(device),
+        to_device(torch.cat([s.slots[-1:] for s in steps])),
         torch.arange(len(steps), device=device),
-        positions.to(device),
+        device_positions,
         longest,
-        bias[:, None, None].to(device),
-        lengths.to(device),
+        to_device(bias[:, None, None]),
+        to_device(lengths),
         kernel,
     )
-    return order, positions.to(device), attention
+    return order, device_positions, attention
