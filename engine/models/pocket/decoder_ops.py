@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from intone.engine import native
 
 SOURCE = Path(__file__).with_name("decoder_ops.cpp")
+HEADERS = (Path(__file__).with_name("vector_math.h"),)
 
 _LOG2_E = 1.4426950408889634
 
@@ -25,7 +26,7 @@ _LOG2_E = 1.4426950408889634
 def load() -> bool:
     """Whether `torch.ops.intone`'s decoder operators are registered: built on first use and
     cached, loaded once per process (`native.load_torch_library`)."""
-    return native.load_torch_library(SOURCE)
+    return native.load_torch_library(SOURCE, HEADERS)
 
 
 def elu_into(x: torch.Tensor, out: torch.Tensor, native: bool) -> torch.Tensor:
