@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention",
         action="store_true",
-        help="compare the AR step's attention (lanes in C, lanes in torch, a gather) at --contexts",
+        help="compare the AR step's attention (lanes natively, in torch, a gather) at --contexts",
     )
     parser.add_argument("--contexts", default="80,150,250", help="positions per row (--attention)")
     parser.add_argument(

@@ -65,7 +65,7 @@ def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_pa
 
 def test_stages_smoke(tiny_checkpoint: Path, tmp_path: Path):
     """`bench/stages.py` times both stages on the engine's own runner, and compares the AR
-    step's decode attention (lanes in C where a compiler works, lanes in torch, a gather) on
+    step's decode attention (lanes natively where a compiler works, in torch, a gather) on
     the same rows."""
     script = [sys.executable, str(ROOT / "bench" / "stages.py"), "--model", str(tiny_checkpoint)]
     stages, attention = tmp_path / "stages.json", tmp_path / "attention.json"

@@ -2,10 +2,10 @@
  * engine/models/pocket/decoder_ops.py compiles this file against the installed torch's headers
  * and loads it with torch.ops.load_library.
  *
- * Why operators and not ctypes: the decoder's two parts run as TorchScript traces
- * (models/pocket/traces.py), which the tracer records as a list of registered operators and
- * replays without the GIL. A ctypes call would be left out of a trace; a registered operator is
- * recorded like aten's own.
+ * Why operators (as every native kernel here is): the decoder's two parts run as TorchScript
+ * traces (models/pocket/traces.py), which the tracer records as a list of registered operators
+ * and replays without the GIL. A foreign call (ctypes) would be left out of a trace; a
+ * registered operator is recorded like aten's own.
  *
  * What each saves, per 16-row x 1-frame decode call of the full-size decoder on one core:
  * - elu_into: aten's ELU (or the five torch passes models/pocket/gemm_decoder.py used) reads and

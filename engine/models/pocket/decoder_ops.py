@@ -2,8 +2,9 @@
 registered as `torch.ops.intone.*`), where this machine can build them; torch's own operators
 elsewhere.
 
-They are operators rather than ctypes calls because the decoder runs as TorchScript traces
-(traces.py), which record registered operators and replay them without the GIL. Measured on one
+Every native kernel here is a torch operator (engine/native.py), and these must be: the decoder
+runs as TorchScript traces (traces.py), which record registered operators and replay them without
+the GIL. Measured on one
 core of the 2-core AMD EPYC (AVX-512), against the torch path they replace (docs/benchmarks.md):
 see `decoder_ops.cpp` for what each saves and why.
 """
