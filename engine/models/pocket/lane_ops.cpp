@@ -144,13 +144,14 @@ at::Tensor lane_attention(const at::Tensor& q, const at::Tensor& keys, const at:
   float* scores = scratch.data();
   for (int64_t r = 0; r < rows; r++) {
     for (int64_t h = 0; h < kv_heads; h++) {
-      const int64_t first = (r * heads + h * group) * dim, at = r * lane_stride + h * head_stride;
+      const int64_t first = (r * heads + h * group) * dim;
+      const int64_t lane = r * lane_stride + h * head_stride;
       /* 64: every released config's head size. */
       if (dim == 64)
-        attend_head<64>(qs + first, ks + at, vs + at, os + first, group, dim, length[r], scale,
+        attend_head<64>(qs + first, ks + lane, vs + lane, os + first, group, dim, length[r], scale,
                         scores, scores + longest);
       else
-        attend_head<0>(qs + first, ks + at, vs + at, os + first, group, dim, length[r], scale,
+        attend_head<0>(qs + first, ks + lane, vs + lane, os + first, group, dim, length[r], scale,
                        scores, scores + longest);
     }
   }
