@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from server_process import ServerProcess, free_port  # noqa: E402
 from common import PROMPTS, SEED, machine_info, round_floats  # noqa: E402
+from server_process import ServerProcess, free_port  # noqa: E402
 
 VOICE = "bench"
 
