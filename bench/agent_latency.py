@@ -186,7 +186,7 @@ class ClientPath:
         self.policy = policy
 
     async def turn(self, text: str, rate: float, result: TurnResult) -> None:
-        from intone.provider.server import protocol
+        from intone.provider import protocol
 
         if self.client.hello is None:
             await self.client.connect()
