@@ -33,26 +33,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from intone.engine.config import (
+    AHEAD_OF_DECODER_CALLS,
+    DUE_DECODER_CALLS,
+    DUE_LEAD_SHARE,
+    PacingMode,
+)
 
 if TYPE_CHECKING:
     from intone.engine.sequence import Request
-
-# A stream with less audio than this ahead of its listener is near an underrun: the decoder
-# decodes it first, and while one that plays is, a prefill pass takes fewer new streams
-# (`EngineConfig.max_prefill_rows_near_underrun`).
-URGENT_S = 0.5
-# When a stream that holds a row takes AR steps (`PacingPolicy.need`): latents not yet decoded,
-# in decode calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and
-# under which it is due; and the share of `lead_s` under which a paced stream is due. Measured
-# with the 2M model on 2 AVX2 cores (c=48, as fast as possible): AR rows per step 11-12 -> 18-20,
-# the AR thread's CPU 0.67-0.70 -> 0.54-0.56 cores (bench/results/cpu-2core-ar-bursts/).
-AHEAD_OF_DECODER_CALLS = 3
-DUE_DECODER_CALLS = 2
-DUE_LEAD_SHARE = 0.75
-
-PacingMode = Literal["yield", "hold", "off"]
-PACING_MODES: tuple[PacingMode, ...] = ("yield", "hold", "off")
 
 
 class Need(Enum):

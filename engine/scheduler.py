@@ -46,9 +46,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager
+from intone.engine.config import URGENT_S
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
-from intone.engine.pacing import URGENT_S, Need, PacingPolicy
+from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.sequence import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from intone.engine.config import PUSH_PIECE_CHARS
 from intone.engine.errors import (
     EmptyTextError,
     InvalidOptionError,
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
     from intone.engine.engine import Engine
 
 __all__ = ["AudioChunk", "ClauseDone", "Stream", "WordTiming"]
-
-# Characters `push_long_text` plans between yields to the loop: 10-25 ms of planning.
-PUSH_PIECE_CHARS = 500
 
 
 class Stream:

@@ -27,10 +27,9 @@ from intone.engine import (
     decoder_worker,
 )
 from intone.engine import engine as engine_module
+from intone.engine.config import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
-from intone.engine.engine import FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
-from intone.engine.pacing import DUE_LEAD_SHARE
 from intone.engine.sequence import Request
 
 from support.engine import (
