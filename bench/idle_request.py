@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backends import _Server, free_port  # noqa: E402
 from common import PROMPTS, SEED, machine_info, round_floats  # noqa: E402
+from server_process import ServerProcess, free_port  # noqa: E402
 
 VOICE = "bench"
 
@@ -92,7 +92,7 @@ async def run_mode(args: argparse.Namespace, pacing: str, workdir: Path) -> dict
     cmd += ["--fallback-preset", "none", "--pacing", pacing]
     if args.max_active:
         cmd += ["--max-active", args.max_active]
-    server = _Server(cmd, f"{base}/healthz", workdir / f"server-{pacing}.log")
+    server = ServerProcess(cmd, f"{base}/healthz", workdir / f"server-{pacing}.log")
     await server.start()
     try:
         await over_websocket(base, PROMPTS[0])  # warm-up

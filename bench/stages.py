@@ -12,9 +12,9 @@ decoder threads), which is what the engine does on the CPU.
         [--dtype auto|float32|bfloat16]
 
 `--attention` instead compares the AR step at 16 rows with its decode attention read from per-row
-lanes by the C kernel (the engine's on a CPU with a C compiler), the same lanes read in torch, and
-gathered from the pool per layer (the path before lanes), interleaved on one thread, at each of
-`--contexts`.
+lanes by the native operator (the engine's on a CPU with a C++ compiler), the same lanes read in
+torch, and gathered from the pool per layer (the path before lanes), interleaved on one thread,
+at each of `--contexts`.
 
 `--decoders` instead compares the Mimi decoder implementations on one thread (the checkpoint's
 `Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears, and the
@@ -72,7 +72,7 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
         # Seated once, as rows that stay in the batch are: each call rewrites the same position.
         order, positions, attention = plan_lane_step(
-            runner.lanes, steps, list(steps), kernel=runner.lane_kernel
+            runner.lanes, steps, list(steps), native=runner.native_lanes
         )
         previous = torch.randn(rows, flow_lm.latent_dim, device=device)
         noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
@@ -198,7 +198,7 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
 
 def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list[dict]:
     """The AR step at 16 rows with its decode attention read from per-row lanes (the engine's,
-    `plan_lane_step`), by the C kernel where it builds and in torch, against a padded gather
+    `plan_lane_step`), by the native operator where it builds and in torch, against a padded gather
     from the pool per layer (`plan_step`, still the single-request path's): one thread, the
     variants interleaved on the same runner and pool, the minimum and median thread CPU time
     over `repeats` calls each."""
@@ -213,9 +213,8 @@ def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list
         per_row = context + 1
         steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
         variants = {}
-        if runner.lane_kernel is not None:
-            kernel = runner.lane_kernel
-            variants["lanes-c"] = plan_lane_step(runner.lanes, steps, list(steps), kernel=kernel)
+        if runner.native_lanes:
+            variants["lanes-native"] = plan_lane_step(runner.lanes, steps, list(steps), native=True)
         variants["lanes-torch"] = plan_lane_step(runner.lanes, steps, list(steps))
         order, positions, _ = variants["lanes-torch"]
         _, gather = plan_step(runner.pool, steps)
@@ -246,7 +245,7 @@ def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list
             }
             results.append(row)
             print(
-                f"{name:11s} {rows} rows, context {context}: AR step {row['cpu_ms_min']:.1f} ms "
+                f"{name:12s} {rows} rows, context {context}: AR step {row['cpu_ms_min']:.1f} ms "
                 f"min, {row['cpu_ms_median']:.1f} ms median CPU ({repeats} calls)",
                 flush=True,
             )
@@ -270,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention",
         action="store_true",
-        help="compare the AR step's attention (lanes in C, lanes in torch, a gather) at --contexts",
+        help="compare the AR step's attention (lanes natively, in torch, a gather) at --contexts",
     )
     parser.add_argument("--contexts", default="80,150,250", help="positions per row (--attention)")
     parser.add_argument(

@@ -170,8 +170,8 @@ class EngineConfig:
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
     keep_freed_memory: bool = True
-    # On a CPU, an AR step attends through a C kernel built for this machine at start
-    # (engine/models/pocket/lane_kernel.py): about half the time of torch's batched products at
+    # On a CPU, an AR step attends through a C++ torch operator built for this machine at start
+    # (engine/models/pocket/lane_ops.py): about half the time of torch's batched products at
     # 16 rows. The decoder's ELU, GELU and attention run as C++ torch operators built likewise
     # (engine/models/pocket/decoder_ops.py): ~11% of a full-size decode call. Where nothing
     # builds, or False, torch runs them; the two paths agree to ~1e-6.

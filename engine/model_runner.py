@@ -31,6 +31,7 @@ from intone.engine.config import (
 )
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.device import DeviceIO
+from intone.engine.models.pocket import lane_ops
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.gemm_decoder import GemmDecoder, make_decoder
@@ -42,7 +43,6 @@ from intone.engine.models.pocket.kv_cache import (
     plan_lane_step,
     plan_step,
 )
-from intone.engine.models.pocket.lane_kernel import load_lane_kernel
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.sequence import Request
@@ -109,9 +109,9 @@ class ModelRunner:
         fits = LANE_POOL_MULTIPLE * self.pool.num_slots // rows // LANE_RUN * LANE_RUN
         self.lanes = KVLanes(self.pool, rows, max(LANE_RUN, min(LANE_POSITIONS, fits)))
         self.lanes.prefault(LANE_PREFAULT_POSITIONS)
-        # The C decode attention reads float32 lanes in host memory; elsewhere torch attends.
-        lanes_in_c = device.type == "cpu" and self.pool.keys.dtype == torch.float32
-        self.lane_kernel = load_lane_kernel() if native_kernels and lanes_in_c else None
+        # The native decode attention reads float32 lanes in host memory; elsewhere torch attends.
+        host_lanes = device.type == "cpu" and self.pool.keys.dtype == torch.float32
+        self.native_lanes = native_kernels and host_lanes and lane_ops.load()
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
@@ -234,7 +234,7 @@ class ModelRunner:
             thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
         order, positions, attention = plan_lane_step(
-            self.lanes, steps, owners, key_multiple, self.lane_kernel, upload=self.io.upload
+            self.lanes, steps, owners, key_multiple, self.native_lanes, upload=self.io.upload
         )
         order_t = self.io.upload(torch.tensor(order))
         # The requests' order back from lane order, padding dropped: planned on the host.

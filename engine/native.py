@@ -1,17 +1,18 @@
-"""Kernels compiled on the machine that runs them and cached: plain C called through ctypes
-(`build`), and C++ torch operators loaded with `torch.ops.load_library` (`load_torch_library`).
+"""Native kernels: C++ torch operators compiled on the machine that runs them, cached, and
+loaded with `torch.ops.load_library` (`load_torch_library`).
 
 Why compile here: a kernel built with `-march=native` uses the vector units this CPU has
-(AVX-512 on one machine, AVX2 or NEON on another) without shipping a binary per target. A C
-kernel has no torch headers, so its build takes well under a second; an operator library includes
-torch's headers and takes ~6 s (2-core AMD EPYC). Either happens once per source, compiler, CPU
-(and torch build), and later starts load the cached library. Where nothing builds, both return
-None and the caller keeps its torch path.
+(AVX-512 on one machine, AVX2 or NEON on another) without shipping a binary per target. An
+operator library includes torch's headers and takes ~6 s to build (2-core AMD EPYC), once per
+source (and the headers it shares), compiler, CPU and torch build; later starts load the cached
+library. Where nothing builds, it returns False and the caller keeps its torch path.
+
+Why operators: torch releases the GIL around an operator called from Python, and a TorchScript
+trace records and replays them like aten's own (models/pocket/traces.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -20,9 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
@@ -30,95 +29,72 @@ from intone.engine.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# No -ffast-math: the kernels say with `omp simd` where a reduction may be reordered.
-FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
-# Tried in order: a compiler that does not take -march=native (some clang builds on ARM) still
-# builds a portable library.
-ARCH_FLAGS = (("-march=native",), ())
-# The operators' GCC vector types are 16 floats wide: on AVX-512 one register each, where GCC
-# and Clang otherwise split them in two 256-bit halves (decoder_ops.cpp).
-WIDE_ARCH_FLAGS = (("-march=native", "-mprefer-vector-width=512"), *ARCH_FLAGS)
+# No -ffast-math: the kernels say with `omp simd` or vector types where a reduction may be
+# reordered.
+FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c++20")
+# Tried in order: the operators' GCC vector types are 16 floats wide: on AVX-512 one register
+# each, where GCC and Clang otherwise split them in two 256-bit halves (vector_math.h); a
+# compiler that does not take -march=native (some clang builds on ARM) still builds a portable
+# library.
+ARCH_FLAGS = (("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120.0
-
-T = TypeVar("T")
-
-
-def compiler() -> str | None:
-    """$CC, else the first of cc, gcc, clang on the PATH."""
-    return _find("CC", ("cc", "gcc", "clang"))
 
 
 def cxx_compiler() -> str | None:
     """$CXX, else the first of c++, g++, clang++ on the PATH."""
-    return _find("CXX", ("c++", "g++", "clang++"))
-
-
-def _find(variable: str, names: tuple[str, ...]) -> str | None:
-    if os.environ.get(variable):
-        return os.environ[variable]
-    return next((path for name in names if (path := shutil.which(name))), None)
+    if os.environ.get("CXX"):
+        return os.environ["CXX"]
+    return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
 
 
 @functools.cache
-def build(source: Path) -> ctypes.CDLL | None:
-    """The library compiled from `source`, from the cache when this source, compiler and CPU
-    built it before; None (logged once per source) where it cannot be built."""
-    target = _library(compiler(), source, FLAGS, ARCH_FLAGS, ())
-    return None if target is None else _load(target, source, ctypes.CDLL)
-
-
-@functools.cache
-def load_torch_library(source: Path) -> bool:
+def load_torch_library(source: Path, headers: tuple[Path, ...] = ()) -> bool:
     """Whether the torch operators of `source` (C++ against the installed torch's headers,
-    registered with TORCH_LIBRARY) are loaded: compiled unless the cache has them for this
-    source, compiler, CPU and torch build, then `torch.ops.load_library`. False where they
-    cannot be built: the headers ship with torch's wheels, so what can be missing is a C++
-    compiler."""
+    registered with TORCH_LIBRARY_FRAGMENT; `headers`: the project's headers it includes) are
+    loaded: compiled unless the cache has them for this source, these headers, compiler, CPU
+    and torch build, then `torch.ops.load_library`. False where they cannot be built: torch's
+    headers ship with its wheels, so what can be missing is a C++ compiler."""
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     library_dir = root / "lib"
     flags = (
         *FLAGS,
-        "-std=c++20",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{root / 'include'}",
         f"-L{library_dir}",
         f"-Wl,-rpath,{library_dir}",
     )
     libraries = ("-lc10", "-ltorch_cpu")
-    cxx = cxx_compiler()
-    target = _library(cxx, source, flags, WIDE_ARCH_FLAGS, libraries, torch.__version__)
-    return target is not None and _load(target, source, _register_operators) is not None
+    depends = (*(header.read_text() for header in headers), torch.__version__)
+    # Where the headers are does not change the build (their text does): no part of the key.
+    includes = tuple(dict.fromkeys(f"-I{header.parent}" for header in headers))
+    target = _library(cxx_compiler(), source, flags, libraries, depends, includes)
+    return target is not None and _load(target, source)
 
 
-def _register_operators(path: str) -> str:
-    """Loads the library at `path` into torch's operator registry (`torch.ops.<namespace>`)."""
-    torch.ops.load_library(path)
-    return path
-
-
-def _load(target: Path, source: Path, loader: Callable[[str], T]) -> T | None:
-    """`loader(target)`; None where the cached file does not load (a damaged cache file: it is
-    deleted, so the next start builds it again)."""
+def _load(target: Path, source: Path) -> bool:
+    """Whether the library at `target` loads into torch's operator registry; a cached file that
+    does not (a damaged one) is deleted, so the next start builds it again."""
     try:
-        return loader(str(target))
+        torch.ops.load_library(str(target))
+        return True
     except (OSError, RuntimeError) as e:
         logger.warning("%s does not load (%s): %s runs in torch", target, e, source.name)
         target.unlink(missing_ok=True)
-        return None
+        return False
 
 
 def _library(
     cc: str | None,
     source: Path,
     flags: tuple[str, ...],
-    arch_flags: tuple[tuple[str, ...], ...],
     libraries: tuple[str, ...],
-    *what: str,
+    depends: tuple[str, ...],
+    includes: tuple[str, ...],
 ) -> Path | None:
-    """The path of the library built from `source` with `flags` and the first of `arch_flags`
-    the compiler takes, built now unless the cache has it; `what`: whatever else the build
-    depends on."""
+    """The path of the library built from `source` with `flags` (and `includes`) and the first
+    of `ARCH_FLAGS` the compiler takes, built now unless the cache has it; `depends`: whatever
+    else the build depends on."""
     if cc is None:
         logger.warning("no compiler found for %s: it runs in torch", source.name)
         return None
@@ -130,12 +106,12 @@ def _library(
         logger.warning("compiler %s does not run (%s): %s runs in torch", cc, e, source.name)
         return None
     directory = cache_dir() / "kernels"
-    depends = [source.read_text(), cc, identity, _cpu(), *what, *libraries]
-    for arch in arch_flags:
+    known = [source.read_text(), cc, identity, _cpu(), *depends, *libraries]
+    for arch in ARCH_FLAGS:
         all_flags = (*flags, *arch)
-        key = hashlib.sha256("\0".join([*depends, *all_flags]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([*known, *all_flags]).encode()).hexdigest()[:16]
         target = directory / f"{source.stem}-{key}.so"
-        if target.exists() or _compile(cc, all_flags, source, libraries, target):
+        if target.exists() or _compile(cc, (*all_flags, *includes), source, libraries, target):
             return target
     return None
 

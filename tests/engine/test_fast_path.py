@@ -82,9 +82,9 @@ async def compare(
         int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
         assert int8 == precision.flow_lm_int8
         assert engine.runner.decoder.int8 == precision.decoder_int8
-        # The C decode attention reads float32 lanes; the bf16 KV pool attends in torch.
-        kernel = precision.flow_lm == torch.float32 and native.compiler() is not None
-        assert (engine.runner.lane_kernel is not None) == kernel
+        # The native decode attention reads float32 lanes; the bf16 KV pool attends in torch.
+        lanes = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
+        assert engine.runner.native_lanes == lanes
         flow_head = engine.model.flow_lm.flow_net
         bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
         assert bf16 == precision.flow_head_bf16

@@ -177,7 +177,8 @@ def test_no_cxx_compiler_means_the_torch_decoder(
     monkeypatch.setenv("INTONE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
-        assert native.load_torch_library(copied_source(tmp_path, "src")) is False
+        source = copied_source(tmp_path, "src")
+        assert native.load_torch_library(source, decoder_ops.HEADERS) is False
     assert "runs in torch" in caplog.text
     monkeypatch.setattr(decoder_ops, "load", lambda: False)
     decoder = GemmDecoder(tiny_model.model.mimi, native_ops=True)

@@ -21,6 +21,7 @@ from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.config import LANE_PREFAULT_POSITIONS
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.model_runner import ModelRunner
+from intone.engine.models.pocket import lane_ops
 from intone.engine.models.pocket.kv_cache import (
     KVLanes,
     KVPool,
@@ -28,7 +29,6 @@ from intone.engine.models.pocket.kv_cache import (
     plan_lane_step,
     plan_step,
 )
-from intone.engine.models.pocket.lane_kernel import LaneKernel, load_lane_kernel
 from intone.engine.voices import Voice, load_voice
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -102,17 +102,17 @@ class Paged:
         return self.pool.read(self.blocks.slots(self.tables[index]))
 
 
-@pytest.fixture(params=["torch", "c"])
-def lane_kernel(request) -> LaneKernel | None:
+@pytest.fixture(params=["torch", "native"])
+def native_lanes(request) -> bool:
     """Each decode-through-lanes check runs both ways a step attends: torch over views of the
-    lanes, and the C kernel (the engine's default on a CPU, where a C compiler works)."""
+    lanes, and lane_ops' operators (the engine's default on a CPU, where a C++ compiler works)."""
     if request.param == "torch":
-        return None
-    kernel = load_lane_kernel()
-    if kernel is None and native.compiler() is None:
-        pytest.skip("no C compiler on this machine: the engine attends in torch")
-    assert kernel is not None, "a C compiler is here, but lane_attention.c did not build"
-    return kernel
+        return False
+    if not lane_ops.load():
+        if native.cxx_compiler() is None:
+            pytest.skip("no C++ compiler on this machine: the engine attends in torch")
+        pytest.fail("a C++ compiler is here, but lane_ops.cpp did not build")
+    return True
 
 
 def assert_scattered(blocks: BlockManager, table: PageTable) -> None:
@@ -402,13 +402,13 @@ def check_lane_step(
     owners: list[object | None],
     x: torch.Tensor,
     key_multiple: int = 1,
-    kernel: LaneKernel | None = None,
+    native: bool = False,
 ) -> None:
     """A decode step through the lanes equals it through the previous path, row for row, and
     writes the same keys and values to the pool. Padding rows (owner None) are dropped: in
     the previous path they all read the one scratch slot, whoever wrote it last."""
     old_pool = clone_pool(lanes.pool)
-    order, positions, attention = plan_lane_step(lanes, steps, owners, key_multiple, kernel)
+    order, positions, attention = plan_lane_step(lanes, steps, owners, key_multiple, native)
     got = flow_lm.backbone(x[order], positions, attention)
     old_positions = torch.tensor([len(s.slots) - 1 for s in steps])
     want = flow_lm.backbone(x, old_positions, PaddedGatherAttention(old_pool, steps, key_multiple))
@@ -423,7 +423,7 @@ def test_attention_equals_previous_path(
     checkpoint: str,
     tiny_model: LoadedModel,
     tiny_voice: Voice,
-    lane_kernel: LaneKernel | None,
+    native_lanes: bool,
     request,
 ) -> None:
     """Shared voice pages with a private copy of the partial last page, packed prefill of mixed
@@ -476,12 +476,12 @@ def test_attention_equals_previous_path(
         x = embeddings(len(steps), flow_lm.dim, seed=600 + t)
         if t == 2:
             # A step that fails after writing part of its position: the retry re-seats.
-            _, _, failed = plan_lane_step(lanes, steps, owners, kernel=lane_kernel)
+            _, _, failed = plan_lane_step(lanes, steps, owners, native=native_lanes)
             tf = flow_lm.transformer
             k = torch.randn(len(steps), tf.num_kv_heads, tf.head_dim)
             failed.attend(0, torch.randn(len(steps), tf.num_heads, tf.head_dim), k, k)
         multiple = page_size if t == 3 else 1
-        check_lane_step(flow_lm, lanes, steps, owners, x, multiple, lane_kernel)
+        check_lane_step(flow_lm, lanes, steps, owners, x, multiple, native_lanes)
         if t == 4:
             blocks.extend(tables[1], 1)
             x = embeddings(1, flow_lm.dim, seed=700)
@@ -517,7 +517,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads(kv_heads: int) -> None
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 @torch.no_grad()
-def test_lanes_with_grouped_query_attention(kv_heads: int, lane_kernel: LaneKernel | None) -> None:
+def test_lanes_with_grouped_query_attention(kv_heads: int, native_lanes: bool) -> None:
     """Decode through the lanes with fewer KV heads than query heads equals the previous path."""
     heads, dim, layers = 8, 16, 2
     gen = torch.Generator().manual_seed(10 + kv_heads)
@@ -533,7 +533,7 @@ def test_lanes_with_grouped_query_attention(kv_heads: int, lane_kernel: LaneKern
         q = torch.randn(len(steps), heads, dim, generator=gen)
         k, v = torch.randn(2, len(steps), kv_heads, dim, generator=gen)
         old_pool = clone_pool(pool)
-        rows, _, attention = plan_lane_step(lanes, steps, list(steps), kernel=lane_kernel)
+        rows, _, attention = plan_lane_step(lanes, steps, list(steps), native=native_lanes)
         got = attention.attend(layer, q[rows], k[rows], v[rows])
         want = PaddedGatherAttention(old_pool, steps).attend(layer, q, k, v)
         assert_relative(got, want[rows])
@@ -542,7 +542,7 @@ def test_lanes_with_grouped_query_attention(kv_heads: int, lane_kernel: LaneKern
 
 @torch.no_grad()
 def test_reserved_lanes_stay_put_and_hide_memory_never_written(
-    lane_kernel: LaneKernel | None,
+    native_lanes: bool,
 ) -> None:
     """Lanes reserved for every row do not move when a step has more rows or longer contexts
     than any before (a move zeroed and copied every lane while the step waited); memory of the
@@ -564,7 +564,7 @@ def test_reserved_lanes_stay_put_and_hide_memory_never_written(
         q = torch.randn(len(steps), heads, dim, generator=gen)
         k, v = torch.randn(2, len(steps), 2, dim, generator=gen)
         old_pool = clone_pool(pool)
-        rows, _, attention = plan_lane_step(lanes, steps, list(steps), kernel=lane_kernel)
+        rows, _, attention = plan_lane_step(lanes, steps, list(steps), native=native_lanes)
         got = attention.attend(0, q[rows], k[rows], v[rows])
         want = PaddedGatherAttention(old_pool, steps).attend(0, q, k, v)
         assert torch.isfinite(got).all()

@@ -2,10 +2,10 @@
  * engine/models/pocket/decoder_ops.py compiles this file against the installed torch's headers
  * and loads it with torch.ops.load_library.
  *
- * Why operators and not ctypes: the decoder's two parts run as TorchScript traces
- * (models/pocket/traces.py), which the tracer records as a list of registered operators and
- * replays without the GIL. A ctypes call would be left out of a trace; a registered operator is
- * recorded like aten's own.
+ * Why operators (as every native kernel here is): the decoder's two parts run as TorchScript
+ * traces (models/pocket/traces.py), which the tracer records as a list of registered operators
+ * and replays without the GIL. A foreign call (ctypes) would be left out of a trace; a
+ * registered operator is recorded like aten's own.
  *
  * What each saves, per 16-row x 1-frame decode call of the full-size decoder on one core:
  * - elu_into: aten's ELU (or the five torch passes models/pocket/gemm_decoder.py used) reads and
@@ -16,8 +16,8 @@
  *   boolean mask built per call; here each row's queries read only the slots they may see, in
  *   place (the pool's rows by index, where given), with no mask tensor.
  *
- * Built without -ffast-math: every loop works on GCC vector types (`floats`), so nothing relies
- * on the compiler vectorising a scalar loop.
+ * Built without -ffast-math: every loop works on GCC vector types (`floats`, vector_math.h), so
+ * nothing relies on the compiler vectorising a scalar loop.
  */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -30,51 +30,21 @@
 #include <limits>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
-constexpr int64_t QB = 16; /* queries per block: the lanes of one vector */
-constexpr int64_t KB = 8;  /* keys per pass of the score loop: independent accumulators */
-constexpr int64_t DB = 16; /* value dims per pass of the output loop: accumulators in registers */
+using intone::exp_nonpositive;
+using intone::floats;
+using intone::ints;
+using intone::map_floats;
 
-/* GCC/Clang vector types: one AVX-512 register, two AVX2 or four NEON registers. */
-typedef float floats __attribute__((vector_size(QB * sizeof(float))));
-typedef int32_t ints __attribute__((vector_size(QB * sizeof(int32_t))));
-
-/* e^x for x <= 0 lane by lane, within 2 ulp of expf (Cephes' expf polynomial); below -87,
- * e^-87. */
-inline floats exp_nonpositive(floats x) {
-  const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  x = x < -87.0f ? floats{} - 87.0f : x;
-  floats n = (x * 1.44269504088896341f + round) - round;
-  floats r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  floats p = floats{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
-  return p * (floats)bits;
-}
-
-/* out[i] = f(in[i]) for n floats, a vector at a time; the tail through a zero-padded one. */
-template <typename F>
-void map_floats(const float* in, float* out, int64_t n, F f) {
-  int64_t i = 0;
-  for (; i + QB <= n; i += QB) {
-    floats v;
-    std::memcpy(&v, in + i, sizeof v);
-    v = f(v);
-    std::memcpy(out + i, &v, sizeof v);
-  }
-  if (i < n) {
-    floats v = {};
-    std::memcpy(&v, in + i, (n - i) * sizeof(float));
-    v = f(v);
-    std::memcpy(out + i, &v, (n - i) * sizeof(float));
-  }
-}
+/* Queries per block: the lanes of one vector. */
+constexpr int64_t QB = intone::LANES;
+/* Keys per pass of the score loop: independent accumulators. */
+constexpr int64_t KB = 8;
+/* Value dims per pass of the output loop: accumulators in registers. */
+constexpr int64_t DB = 16;
 
 /* Whether a [B, T, C] tensor's rows (its last two dims) are contiguous: the decoder's
  * activations are such views of wider buffers (a convolution's history in front). */
@@ -265,7 +235,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& keys, const at:
 
 }  // namespace
 
-TORCH_LIBRARY(intone, m) {
+TORCH_LIBRARY_FRAGMENT(intone, m) {
   m.def("elu_into(Tensor x, Tensor(a!) out) -> Tensor(a!)", &elu_into);
   m.def("gelu_tanh(Tensor x) -> Tensor", &gelu_tanh);
   m.def(

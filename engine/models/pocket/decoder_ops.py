@@ -2,9 +2,10 @@
 registered as `torch.ops.intone.*`), where this machine can build them; torch's own operators
 elsewhere.
 
-They are operators rather than ctypes calls because the decoder runs as TorchScript traces
-(traces.py), which record registered operators and replay them without the GIL. What each saves
-against the torch path: bench/results/cpu-2core-stages/README.md; why: `decoder_ops.cpp`.
+Every native kernel is a torch operator (engine/native.py), and these must be: the decoder runs
+as TorchScript traces (traces.py), which record registered operators and replay them without the
+GIL. What each saves against the torch path: bench/results/cpu-2core-stages/README.md; why:
+`decoder_ops.cpp`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.nn import functional as F
 from intone.engine import native
 
 SOURCE = Path(__file__).with_name("decoder_ops.cpp")
+HEADERS = (Path(__file__).with_name("vector_math.h"),)
 
 _LOG2_E = 1.4426950408889634
 
@@ -24,7 +26,7 @@ _LOG2_E = 1.4426950408889634
 def load() -> bool:
     """Whether `torch.ops.intone`'s decoder operators are registered: built on first use and
     cached, loaded once per process (`native.load_torch_library`)."""
-    return native.load_torch_library(SOURCE)
+    return native.load_torch_library(SOURCE, HEADERS)
 
 
 def elu_into(x: torch.Tensor, out: torch.Tensor, native: bool) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from intone.engine.models.pocket.lane_kernel import LaneKernel
+from intone.engine.models.pocket import lane_ops
 
 
 class KVPool:
@@ -371,8 +371,8 @@ class LaneAttention:
 
     Each layer writes the rows' new keys/values to the pool and to their lanes, then attends
     over the lanes, the query heads of a group sharing their KV head, softmax in float32
-    whatever the KV dtype: through `kernel` (C, each row up to its own length) where there is
-    one, else in torch over views of the lanes, `length` positions each, masked by `bias`.
+    whatever the KV dtype: with `native`, through lane_ops' operators (each row up to its own
+    length), else in torch over views of the lanes, `length` positions each, masked by `bias`.
     """
 
     pool: KVPool
@@ -383,26 +383,26 @@ class LaneAttention:
     length: int  # keys read per row: the longest row, maybe rounded up
     bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
     lengths: torch.Tensor  # [B] (int64): keys row i reads, its own position included
-    kernel: LaneKernel | None = None
-    # With the kernel: where each row's new position starts in a layer of the pool and of the
+    native: bool = False
+    # With `native`: where each row's new position starts in a layer of the pool and of the
     # lanes, in elements.
     pool_offsets: torch.Tensor = field(init=False)
     lane_offsets: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.kernel is not None:
+        if self.native:
             dim = self.pool.keys.shape[-1]
             self.pool_offsets = (self.write_slots * dim).contiguous()
             lane_stride = self.lanes.keys.stride(1)
             self.lane_offsets = (self.rows * lane_stride + self.positions * dim).contiguous()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        if self.native:
             keys, values = self.lanes.keys[layer], self.lanes.values[layer]
             for new, pool, lanes in ((k, self.pool.keys, keys), (v, self.pool.values, values)):
-                self.kernel.store(new, pool[layer], self.pool_offsets)
-                self.kernel.store(new, lanes, self.lane_offsets)
-            return self.kernel(q, keys, values, self.lengths)
+                lane_ops.store(new, pool[layer], self.pool_offsets)
+                lane_ops.store(new, lanes, self.lane_offsets)
+            return lane_ops.attend(q, keys, values, self.lengths)
         self.pool.store(layer, self.write_slots, k, v)
         self.lanes.store(layer, self.rows, self.positions, k, v)
         rows, heads, dim = q.shape
@@ -419,13 +419,14 @@ def plan_lane_step(
     steps: list[SequenceStep],
     owners: list[object | None],
     key_multiple: int = 1,
-    kernel: LaneKernel | None = None,
+    native: bool = False,
     upload: Upload | None = None,
 ) -> tuple[list[int], torch.Tensor, LaneAttention]:
     """(order, positions [B], attention) for a decode step (one new position per sequence)
     through `lanes`. The step runs its rows in `order` (order[i]: the step in lane i), so its
-    inputs and outputs are in that order; `owners` as in `KVLanes.seat`; `kernel`: attend
-    through it (lanes in float32 on the CPU only); `upload` as in `plan_step`."""
+    inputs and outputs are in that order; `owners` as in `KVLanes.seat`; `native`: attend
+    through lane_ops' operators (loaded, lanes in float32 on the CPU only); `upload` as in
+    `plan_step`."""
     assert all(s.num_new == 1 for s in steps)
     device = lanes.pool.keys.device
     to_device = upload or _to(device)
@@ -446,6 +447,6 @@ def plan_lane_step(
         longest,
         to_device(bias[:, None, None]),
         to_device(lengths),
-        kernel,
+        native,
     )
     return order, device_positions, attention

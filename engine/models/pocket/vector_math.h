@@ -1,0 +1,52 @@
+/* The vector math the native operators share (decoder_ops.cpp, lane_ops.cpp): GCC/Clang vector
+ * types and the exp polynomial, written once. */
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace intone {
+
+constexpr int64_t LANES = 16; /* floats per vector */
+
+/* One AVX-512 register, two AVX2 or four NEON registers. */
+typedef float floats __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+/* e^x for x <= 0 lane by lane, within 2 ulp of expf (Cephes' expf polynomial); below -87,
+ * e^-87. */
+inline floats exp_nonpositive(floats x) {
+  const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  x = x < -87.0f ? floats{} - 87.0f : x;
+  floats n = (x * 1.44269504088896341f + round) - round;
+  floats r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  floats p = floats{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
+  return p * (floats)bits;
+}
+
+/* out[i] = f(in[i]) for n floats, a vector at a time; the tail through a zero-padded one. */
+template <typename F>
+void map_floats(const float* in, float* out, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    floats v;
+    std::memcpy(&v, in + i, sizeof v);
+    v = f(v);
+    std::memcpy(out + i, &v, sizeof v);
+  }
+  if (i < n) {
+    floats v = {};
+    std::memcpy(&v, in + i, (n - i) * sizeof(float));
+    v = f(v);
+    std::memcpy(out + i, &v, (n - i) * sizeof(float));
+  }
+}
+
+}  // namespace intone
