@@ -132,7 +132,7 @@ class ARWorker:
                         for r in [*self.scheduler.running, *self.scheduler.waiting]
                         if r.frames_generated
                     )
-                    self.metrics_paced(held, t - last)
+                    self._metrics_paced(held, t - last)
                     last = t
                     batch = self.scheduler.schedule(t)
                     for request in batch.parked:

@@ -50,20 +50,20 @@ from intone.engine.errors import (
     EngineFullError,
     InvalidOptionError,
     TextTooLongError,
-    UnknownVoiceError,
 )
 from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
-from intone.engine.options import ClausePlan, GenerationOptions, plan_clause
-from intone.engine.pacing import PacingPolicy, Playback
+from intone.engine.options import ClausePlan, GenerationOptions
+from intone.engine.pacing import PacingPolicy
+from intone.engine.playback import Playback
 from intone.engine.precision import resolve_precision, serving_model
 from intone.engine.scheduler import Scheduler
 from intone.engine.sequence import Clause, Request, RequestMetrics, now
 from intone.engine.stream import Stream
-from intone.engine.text import ClauseSplitter, check_text
+from intone.engine.text import ClauseSplitter, check_text, plan_clause
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 from intone.engine.voices import Voice, load_voice, voice_state_length
@@ -174,6 +174,7 @@ class Engine:
             config.max_rows_per_tenant,
             voices=VoiceCache(
                 self.blocks,
+                self._write_voice_pages,
                 page_bytes=slot_bytes * config.page_size,
                 budget_bytes=(
                     None if config.voice_cache_mb is None else int(config.voice_cache_mb * 2**20)
@@ -393,64 +394,26 @@ class Engine:
                 kept = Voice(voice.name, voice.keys.cpu(), voice.values.cpu())
                 load = partial(_same, kept)
         with self._lock:
-            table = self._write_voice(name, voice)
+            table = self.scheduler.voices.write(name, voice)
             self.scheduler.voices.set(VoicePrefix(name, voice.length, load, table))
 
-    def _write_voice(self, name: str, voice: Voice) -> PageTable:
-        """Under the lock: new pages holding `voice`'s prompt (idle voices evicted for room)."""
-        voices = self.scheduler.voices
-        pages = self.blocks.pages_for(voice.length)
-        if pages > self.blocks.pages_available:
-            voices.make_room(pages)
-        try:
-            table = self.blocks.allocate(voice.length)
-        except MemoryError as e:
-            raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
-        try:
-            self.runner.write_voice(table, voice)
-            # Written on this thread's stream; the AR stage reads it on its own.
-            self.io.synchronize()
-        except Exception as e:
-            self.blocks.release(table)
-            raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
-        return table
+    def _write_voice_pages(self, table: PageTable, voice: Voice) -> None:
+        self.runner.write_voice(table, voice)
+        # Written on this thread's stream; the AR stage reads it on its own.
+        self.io.synchronize()
 
     def prefill_voice(self, name: str) -> None:
         """Make a registered voice's pages resident now (reading or encoding it again if it was
         evicted), so that `stream()` on it does not: a server calls this off its event loop.
         UnknownVoiceError if no such voice, or if it cannot be loaded any more."""
         with self._lock:
-            entry = self._voice_entry(name)
+            entry = self.scheduler.voices.entry(name)
             self.scheduler.voices.touch(entry)
             if entry.table is not None:
                 return
-        voice = self._load_voice(entry)
+        voice = self.scheduler.voices.load(entry)
         with self._lock:
-            self._place_voice(entry, voice)
-
-    def _voice_entry(self, name: str) -> VoicePrefix:
-        entry = self.scheduler.voices.get(name)
-        if entry is None:
-            raise UnknownVoiceError(
-                f"unknown voice {name!r}; known voices: {sorted(self.scheduler.voices)}"
-            )
-        return entry
-
-    def _load_voice(self, entry: VoicePrefix) -> Voice:
-        """Outside the lock: the voice's prompt K/V again (a file read, or an encoding)."""
-        try:
-            return entry.load()
-        except (ValueError, OSError) as e:
-            raise UnknownVoiceError(f"voice {entry.name!r} could not be loaded: {e}") from e
-
-    def _place_voice(self, entry: VoicePrefix, voice: Voice) -> None:
-        """Under the lock: write a loaded voice's pages, unless it was replaced, removed or
-        loaded meanwhile; it stays while idle voices are evicted for the budget."""
-        if self.scheduler.voices.get(entry.name) is not entry or entry.table is not None:
-            return
-        table = self._write_voice(entry.name, voice)
-        self.scheduler.voices.place(entry, table)
-        self.scheduler.voices.fit(keep=entry)
+            self.scheduler.voices.place_loaded(entry, voice)
 
     def remove_voice(self, name: str) -> bool:
         """Unregister a voice: no new stream may use it; the streams using it finish with it,
@@ -521,15 +484,15 @@ class Engine:
         for _ in range(VOICE_LOAD_TRIES):
             with self._lock:
                 self._check_serving()
-                entry = self._voice_entry(request.voice)
+                entry = self.scheduler.voices.entry(request.voice)
                 if entry.table is not None:
                     return self._open_stream(stream, request, entry, options)
             # Evicted (or registered lazily): read again here, outside the lock, and pinned in
             # the same locked section that writes its pages.
-            loaded = self._load_voice(entry)
+            loaded = self.scheduler.voices.load(entry)
             with self._lock:
                 self._check_serving()
-                self._place_voice(entry, loaded)
+                self.scheduler.voices.place_loaded(entry, loaded)
                 if self.scheduler.voices.get(request.voice) is entry and entry.table is not None:
                     return self._open_stream(stream, request, entry, options)
         raise EngineFullError(f"voice {request.voice!r} could not be loaded into the KV pool")
