@@ -15,7 +15,7 @@ _EXPORTS = {
     "EmptyTextError": "intone.engine.errors",
     "Engine": "intone.engine.engine",
     "EngineClosedError": "intone.engine.errors",
-    "EngineConfig": "intone.engine.engine",
+    "EngineConfig": "intone.engine.config",
     "EngineError": "intone.engine.errors",
     "EngineFailedError": "intone.engine.errors",
     "EngineFullError": "intone.engine.errors",
@@ -70,7 +70,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from intone.engine.engine import Engine, EngineConfig, Health
+    from intone.engine.config import EngineConfig
+    from intone.engine.engine import Engine, Health
     from intone.engine.errors import (
         EmptyTextError,
         EngineClosedError,

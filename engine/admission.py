@@ -29,23 +29,20 @@ from dataclasses import asdict, dataclass
 import torch
 
 from intone.engine.block_manager import BlockManager
+from intone.engine.config import (
+    DECODE_FRAMES,
+    HEADROOM,
+    PROBE_CONTEXT,
+    PROBE_ROWS,
+    PROBE_STEPS,
+    REPEATS,
+)
 from intone.engine.model_runner import ModelRunner
 from intone.engine.sequence import Request, RequestMetrics
 
 logger = logging.getLogger(__name__)
 
-# Batch sizes timed, the rows of the scratch runner. The largest keeps the probe within a second
-# or two at full size on 2 cores; beyond it costs are extrapolated along the fitted line.
-PROBE_ROWS = (1, 4, 8)
-# Frames per row of a timed decode call (`EngineConfig.max_decode_frames`' default).
-DECODE_FRAMES = 4
-# Context each scratch row attends to: a voice prompt and a clause (bench/run.py averages 130-140).
-PROBE_CONTEXT = 160
-REPEATS = 2  # timed calls per batch size (their median), after one untimed warm-up
-PROBE_STEPS = (REPEATS + 1) * len(PROBE_ROWS)  # AR steps the first scratch row takes
-# The share of real time the admitted streams may cost. Measured on 2 AVX2 cores, full size: the
-# c=16 capacity run holds (RTF p95 0.87-0.97) where this comes to 15-17 rows.
-HEADROOM = 0.7
+
 AUTO_MIN, AUTO_MAX = 1, 256
 
 

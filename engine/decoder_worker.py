@@ -58,29 +58,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from intone.engine.config import COST_WEIGHT, HOLD_RECHECK_S, MAX_CALL_S, MIN_CALL_S, URGENT_S
 from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
-from intone.engine.pacing import URGENT_S
 from intone.engine.sequence import Request, now
 
 logger = logging.getLogger(__name__)
-
-# While holding for a first latent, how often the worker looks again at the streams' buffers.
-HOLD_RECHECK_S = 0.02
-# The longest a decode call may be expected to take (from the worker's measured seconds per
-# row-frame): a call cannot be interrupted, and a stream the AR thread hands over after its first
-# `FIRST_FRAMES_ON_AR` frames has those 160 ms to play while the call in flight ends. At full size
-# on 2 cores, calls of 16 rows x 4 frames (300 ms) made streams that started during one run dry
-# at their third chunk; per row-frame a call of 16 costs about the same as one of 64.
-MAX_CALL_S = 0.16
-# Nor does it shrink below this long: a small model's calls cost most per call, not per
-# row-frame (the 2M decoder: 2.8 ms for one row-frame, 0.6 from 64 on), and cut to the
-# least-buffered stream's few milliseconds they gave 2M c=64 7% less audio per second.
-MIN_CALL_S = 0.05
-# Weight of the newest call in the worker's running measures (seconds per row-frame, per call).
-COST_WEIGHT = 0.2
 
 
 @dataclass

@@ -21,7 +21,8 @@ import torch
 from intone.engine.loading import LoadedModel
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
-from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions, plan_clause
+from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions
+from intone.engine.text import plan_clause
 from intone.engine.voices import Voice
 
 # The reference fades in the first 5 ms (sample_rate // 200) of a fresh decoder state to hide a

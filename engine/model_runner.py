@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.config import (
+    DECODE_SPLIT_ROWS,
+    LANE_POOL_MULTIPLE,
+    LANE_POSITIONS,
+    LANE_PREFAULT_POSITIONS,
+)
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.device import DeviceIO
 from intone.engine.models.pocket import lane_ops
@@ -44,10 +50,6 @@ from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
 
 logger = logging.getLogger(__name__)
-
-# A decode batch is split across cores only into parts of at least this many rows: below it the
-# per-row cost of a decode call climbs (measured full size: 13-20 ms at 1 row, ~10 at 8 or 16).
-DECODE_SPLIT_ROWS = 4
 
 
 @dataclass
@@ -72,20 +74,6 @@ class GenerateInputs:
     order: torch.Tensor  # [B']
     rows: int
     back: torch.Tensor  # [rows]: the requests' order from lane order (`order`'s inverse)
-
-
-# Positions reserved per AR lane: a 30 s voice prompt (375), a clause of 50 tokens and its
-# frames fit with room to spare; a longer context grows the lanes (KVLanes). The reservation
-# holds at most LANE_POOL_MULTIPLE times the KV pool's positions: lanes copy contexts the pool
-# holds (the voice once per lane), and a reservation past the machine's memory is refused even
-# where pages are mapped lazily (and on a GPU it is all allocated): 512 full-size rows x 1,024
-# positions would be 26 GB.
-LANE_POSITIONS = 1024
-LANE_POOL_MULTIPLE = 4
-# Positions of every lane written at start (`KVLanes.prefault`), so that the first burst of new
-# streams does not wait while their lanes' memory is faulted in: most contexts (a voice, a clause
-# and its frames; 130-140 positions on average in bench/run.py) fit. Full size, 16 rows: 201 MB.
-LANE_PREFAULT_POSITIONS = 256
 
 
 class ModelRunner:

@@ -11,12 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 from intone.engine.errors import InvalidOptionError
-
-if TYPE_CHECKING:
-    from intone.engine.loading import LoadedModel
 
 # EOS is ignored on the first frames, as in the reference: some voices' EOS logit crosses the
 # threshold before speech starts.
@@ -171,23 +167,3 @@ class ClauseProgress:
         if self.step >= self.plan.max_frames:
             self.ended = True
         return True
-
-
-def plan_clause(loaded: LoadedModel, clause: str, options: GenerationOptions) -> ClausePlan:
-    # Imported here: the rest of this module is imported by clients with no tokenizer installed.
-    from intone.engine.text import max_gen_len, normalize_text, prompt_tokens
-
-    # Spoken form first: "$1,234.56" is a dozen words, and the frame budget follows the tokens.
-    if options.normalize:
-        clause = normalize_text(clause, loaded.language) or clause
-    tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
-    frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
-    if options.max_frames is not None:
-        frames = min(frames, options.max_frames)
-    if options.frames_after_eos is not None:
-        after_eos = options.frames_after_eos
-    elif loaded.config.model_recommended_frames_after_eos is not None:
-        after_eos = loaded.config.model_recommended_frames_after_eos
-    else:
-        after_eos = frames_after_eos_guess
-    return ClausePlan(tokens, frames, after_eos)

@@ -30,29 +30,16 @@ out on an underrun.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:
-    from intone.engine.sequence import Request
-
-# A stream with less audio than this ahead of its listener is near an underrun: the decoder
-# decodes it first, and while one that plays is, a prefill pass takes fewer new streams
-# (`EngineConfig.max_prefill_rows_near_underrun`).
-URGENT_S = 0.5
-# When a stream that holds a row takes AR steps (`PacingPolicy.need`): latents not yet decoded,
-# in decode calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and
-# under which it is due; and the share of `lead_s` under which a paced stream is due. Measured
-# with the 2M model on 2 AVX2 cores (c=48, as fast as possible): AR rows per step 11-12 -> 18-20,
-# the AR thread's CPU 0.67-0.70 -> 0.54-0.56 cores (bench/results/cpu-2core-ar-bursts/).
-AHEAD_OF_DECODER_CALLS = 3
-DUE_DECODER_CALLS = 2
-DUE_LEAD_SHARE = 0.75
-
-PacingMode = Literal["yield", "hold", "off"]
-PACING_MODES: tuple[PacingMode, ...] = ("yield", "hold", "off")
+from intone.engine.config import (
+    AHEAD_OF_DECODER_CALLS,
+    DUE_DECODER_CALLS,
+    DUE_LEAD_SHARE,
+    PacingMode,
+)
+from intone.engine.sequence import Request
 
 
 class Need(Enum):
@@ -139,50 +126,3 @@ class PacingPolicy:
         if spare:
             return Need.SPARE
         return Need.NOW if paced_due else Need.SOON
-
-
-class Playback:
-    """Where a stream's listener is. Written by the decoder thread (deliveries) and the caller
-    (reports), read by the AR thread; a small lock keeps the three consistent."""
-
-    def __init__(self, speed: float = 1.0) -> None:
-        self._lock = threading.Lock()
-        self.speed = speed
-        self.delivered = 0.0  # listening seconds of audio handed to the stream
-        self.last_delivery_at: float | None = None
-        self._position = 0.0
-        self._at: float | None = None  # when `_position` was last brought up to date
-        self._reported = False
-
-    def deliver(self, seconds: float, now: float) -> None:
-        """`seconds` of model audio (before `speed`) reached the stream."""
-        with self._lock:
-            self._advance(now)
-            if self._at is None:
-                self._at = now  # the clock starts at the first delivered sample
-            self.delivered += seconds / self.speed
-            self.last_delivery_at = now
-
-    def report(self, seconds: float, now: float) -> None:
-        """The consumer's own position: from now on the clock is what it reports."""
-        with self._lock:
-            self._reported = True
-            self._position = seconds
-            self._at = now
-
-    def buffered(self, now: float) -> float:
-        """Seconds of delivered audio the listener has not played yet: how far from an underrun."""
-        with self._lock:
-            self._advance(now)
-            return self.delivered - self._position
-
-    def position(self, now: float) -> float:
-        with self._lock:
-            self._advance(now)
-            return self._position
-
-    def _advance(self, now: float) -> None:
-        if self._at is None or self._reported:
-            return
-        self._position = min(self._position + (now - self._at), self.delivered)
-        self._at = now

@@ -21,9 +21,18 @@ On a GPU the float32 path runs without TF32 (`configure_precision`).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from intone.engine import device as devices
+from intone.engine.models.pocket.bf16 import bf16_linears
+from intone.engine.models.pocket.int8 import int8_linears
+
+if TYPE_CHECKING:
+    from intone.engine.models.pocket.model import PocketTTS
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -64,3 +73,44 @@ def configure_precision(device: torch.device, float32: bool) -> None:
     if device.type == "cuda" and float32:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+
+
+def serving_model(model: PocketTTS, device: torch.device, precision: Precision) -> PocketTTS:
+    """The model the engine serves on `device` in `precision`. `model` may be shared with
+    float32 users (the single-request path, another engine), so it is never changed: what is
+    converted or moved is a copy, and parts converted into new modules anyway are shared with
+    it rather than copied first."""
+    served = model
+    shared = model.flow_lm
+    if model.device != device:
+        # A copy made on the device, tensor by tensor: `.to` would move the caller's model in
+        # place, and a copy on the host first would hold the weights twice there.
+        transformer = {id(t) for t in shared.transformer.parameters()}
+        transformer |= {id(t) for t in shared.transformer.buffers()}
+        served = devices.module_on(
+            model,
+            device,
+            lambda t: precision.flow_lm if id(t) in transformer else None,
+        )
+        shared = served.flow_lm
+    converted = [
+        part
+        for part, convert in (
+            (shared.transformer, precision.flow_lm_int8),
+            (shared.flow_net, precision.flow_head_bf16),
+        )
+        if convert
+    ]
+    if served is model and (converted or precision.flow_lm != torch.float32):
+        served = copy.deepcopy(model, {id(part): part for part in converted})
+        if not precision.flow_lm_int8:
+            served.flow_lm.transformer.to(precision.flow_lm)
+    if precision.flow_lm_int8:
+        transformer = shared.transformer
+        served.flow_lm.transformer = int8_linears(transformer) or transformer
+    if precision.flow_head_bf16:
+        # The engine's own copy (made on the device) is converted where it is.
+        own = shared is not model.flow_lm
+        served.flow_lm.flow_net = bf16_linears(shared.flow_net, in_place=own)
+    configure_precision(device, precision.flow_lm == torch.float32)
+    return served

@@ -45,12 +45,14 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from intone.engine.block_manager import BlockManager
+from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.config import URGENT_S
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
-from intone.engine.pacing import URGENT_S, Need, PacingPolicy
+from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.sequence import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
+from intone.engine.voices import Voice
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
@@ -96,7 +98,7 @@ class Scheduler:
         # count against max_active, so a new request always finds a free row.
         self.releasing: set[str] = set()
         # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `release`.
-        self.voices = voices if voices is not None else VoiceCache(blocks, page_bytes=0)
+        self.voices = voices if voices is not None else VoiceCache(blocks, self._write_voice, 0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
 
     @property
@@ -153,6 +155,9 @@ class Scheduler:
         self.releasing.discard(request.id)
 
     # ---- pages
+
+    def _write_voice(self, table: PageTable, voice: Voice) -> None:
+        self.runner.write_voice(table, voice)
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages of its own one clause may need: past the voice's full, shared pages."""

@@ -19,7 +19,7 @@ import torch
 
 from intone.engine.block_manager import PageTable
 from intone.engine.options import ClausePlan, ClauseProgress, GenerationOptions
-from intone.engine.pacing import Playback
+from intone.engine.playback import Playback
 
 
 class Phase(enum.Enum):

@@ -1,7 +1,7 @@
 """Spoken-form text: what a reader says for "$12.50", "3:45 pm", "Dr. Smith" or "555-0123".
 
 The model reads letters; digits, symbols, markdown and emoji come out garbled or silent. Every
-clause goes through `normalize_text` before it is tokenized (see `options.plan_clause`).
+clause goes through `normalize_text` before it is tokenized (see `text.plan_clause`).
 
 Numbers become words with `num2words` (all seven languages the engine serves, ~0.2 ms a call);
 everything around them (which digits form a time, a date, a price or a phone number, the words

@@ -2,8 +2,8 @@
 
 Engine threads hand events over with `loop.call_soon_threadsafe`, so a stream works from any
 asyncio loop, several loops at once included (LiveKit's thread executor gives every job its own).
-A stream talks to its engine only through the engine's public request methods (`plan`,
-`submit`, `cancel`).
+A stream talks to its engine only through the engine's public request methods, the
+`StreamHost` protocol (`plan`, `submit`, `cancel`, ...).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from intone.engine.config import PUSH_PIECE_CHARS, EngineConfig
 from intone.engine.errors import (
     EmptyTextError,
     InvalidOptionError,
@@ -23,23 +24,41 @@ from intone.engine.errors import (
     TextTooLongError,
 )
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
+from intone.engine.loading import LoadedModel
+from intone.engine.options import ClausePlan
 from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.timeline import Timeline
 
-if TYPE_CHECKING:
-    from intone.engine.engine import Engine
+__all__ = ["AudioChunk", "ClauseDone", "Stream", "StreamHost", "WordTiming"]
 
-__all__ = ["AudioChunk", "ClauseDone", "Stream", "WordTiming"]
 
-# Characters `push_long_text` plans between yields to the loop: 10-25 ms of planning.
-PUSH_PIECE_CHARS = 500
+class StreamHost(Protocol):
+    """What a stream asks of its engine (`Engine` is the one host)."""
+
+    config: EngineConfig
+    loaded: LoadedModel
+
+    @property
+    def sample_rate(self) -> int: ...
+
+    def plan(self, request: Request, text: str) -> ClausePlan: ...
+
+    def submit(self, request: Request, clauses: list[Clause], end: bool) -> None: ...
+
+    def cancel(self, request: Request) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def unread_seconds(self, request: Request) -> float: ...
+
+    def held(self, request: Request, t: float) -> bool: ...
 
 
 class Stream:
     """One request: text in (push, flush, end), audio out (async iteration)."""
 
-    def __init__(self, engine: Engine, request: Request, splitter: ClauseSplitter):
+    def __init__(self, engine: StreamHost, request: Request, splitter: ClauseSplitter):
         self._engine = engine
         self.request = request
         self._splitter = splitter

@@ -28,7 +28,8 @@ import sentencepiece
 import tokenizers
 
 from intone.engine.errors import InvalidTextError
-from intone.engine.options import FIRST_CLAUSE_MIN_WORDS
+from intone.engine.models.pocket.config import Config
+from intone.engine.options import FIRST_CLAUSE_MIN_WORDS, ClausePlan, GenerationOptions
 
 # Spoken-form text has its own module; it is part of the text API, under this name.
 from intone.engine.spoken_form import WORDS_BEFORE_NUMBERS
@@ -629,3 +630,30 @@ def split_clauses(
         max_tokens=max_tokens,
     )
     return splitter.push(text) + splitter.end()
+
+
+class SpeakingModel(Protocol):
+    """What planning a clause reads of a loaded model (`loading.LoadedModel`)."""
+
+    tokenizer: Tokenizer
+    config: Config
+    text_options: TextOptions
+    language: str
+
+
+def plan_clause(loaded: SpeakingModel, clause: str, options: GenerationOptions) -> ClausePlan:
+    """A clause as the engine speaks it: its prompt tokens (spoken form first) and frame budget."""
+    # Spoken form first: "$1,234.56" is a dozen words, and the frame budget follows the tokens.
+    if options.normalize:
+        clause = normalize_text(clause, loaded.language) or clause
+    tokens, frames_after_eos_guess = prompt_tokens(loaded.tokenizer, clause, loaded.text_options)
+    frames = max_gen_len(len(tokens), loaded.config.mimi.frame_rate)
+    if options.max_frames is not None:
+        frames = min(frames, options.max_frames)
+    if options.frames_after_eos is not None:
+        after_eos = options.frames_after_eos
+    elif loaded.config.model_recommended_frames_after_eos is not None:
+        after_eos = loaded.config.model_recommended_frames_after_eos
+    else:
+        after_eos = frames_after_eos_guess
+    return ClausePlan(tokens, frames, after_eos)

@@ -9,8 +9,8 @@ the least recently used idle voices give their pages back (without a budget ever
 The next stream on an evicted voice loads it again (`Engine.prefill_voice`), so a process can
 hold thousands of voices with a few of them in the pool.
 
-This class is bookkeeping only, under the engine lock; loading (a file read) happens in the
-engine, outside the lock.
+Its methods run under the engine lock, except `load` (a file read or an encoding), which runs
+outside it; writing a voice's pages goes through the engine's `write` (the model runner's).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.errors import EngineFailedError, EngineFullError, UnknownVoiceError
 from intone.engine.voices import Voice
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,15 @@ class VoicePrefix:
 class VoiceCache:
     """The scheduler's voices: a mapping of the names streams may ask for, with eviction."""
 
-    def __init__(self, blocks: BlockManager, page_bytes: int, budget_bytes: int | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        write: Callable[[PageTable, Voice], None],
+        page_bytes: int,
+        budget_bytes: int | None = None,
+    ):
         self.blocks = blocks
+        self._write_pages = write
         self.page_bytes = page_bytes
         self.budget_bytes = budget_bytes
         self._entries: dict[str, VoicePrefix] = {}
@@ -74,6 +82,13 @@ class VoiceCache:
     def get(self, name: str) -> VoicePrefix | None:
         """The voice a new stream may name (None if removed)."""
         return self._entries.get(name) if name in self else None
+
+    def entry(self, name: str) -> VoicePrefix:
+        """The voice a new stream may name; UnknownVoiceError if there is none."""
+        entry = self.get(name)
+        if entry is None:
+            raise UnknownVoiceError(f"unknown voice {name!r}; known voices: {sorted(self)}")
+        return entry
 
     def in_use(self, name: str) -> bool:
         """Whether a stream still speaks with `name`, removed or not."""
@@ -132,6 +147,38 @@ class VoiceCache:
         entry.last_used = next(self._clock)
 
     # ---- pages
+
+    def write(self, name: str, voice: Voice) -> PageTable:
+        """New pages holding `voice`'s prompt (idle voices evicted for room)."""
+        pages = self.blocks.pages_for(voice.length)
+        if pages > self.blocks.pages_available:
+            self.make_room(pages)
+        try:
+            table = self.blocks.allocate(voice.length)
+        except MemoryError as e:
+            raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
+        try:
+            self._write_pages(table, voice)
+        except Exception as e:
+            self.blocks.release(table)
+            raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e
+        return table
+
+    @staticmethod
+    def load(entry: VoicePrefix) -> Voice:
+        """Outside the lock: the voice's prompt K/V again (a file read, or an encoding)."""
+        try:
+            return entry.load()
+        except (ValueError, OSError) as e:
+            raise UnknownVoiceError(f"voice {entry.name!r} could not be loaded: {e}") from e
+
+    def place_loaded(self, entry: VoicePrefix, voice: Voice) -> None:
+        """Write a loaded voice's pages, unless it was replaced, removed or loaded meanwhile; it
+        stays while idle voices are evicted for the budget."""
+        if self.get(entry.name) is not entry or entry.table is not None:
+            return
+        self.place(entry, self.write(entry.name, voice))
+        self.fit(keep=entry)
 
     def place(self, entry: VoicePrefix, table: PageTable) -> None:
         """The voice's prompt was written into `table`'s pages."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from intone.engine import EngineConfig
 from intone.engine import cli as engine_cli
-from intone.engine.pacing import PACING_MODES
+from intone.engine.config import PACING_MODES
 from intone.engine.precision import DTYPES
 from intone.provider.server.ray_serve import RayOptions, build_deployment, serve_ray
 from intone.provider.server.serve import ServeOptions, serve

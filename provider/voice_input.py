@@ -26,7 +26,10 @@ from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.voices import MAX_VOICE_SECONDS, Voice, voice_from_audio, voice_from_state_file
 from intone.provider.errors import VoiceRefusedError
 from intone.provider.protocol import ErrorCode, echo
-from intone.provider.server.voice_store import FORMAT
+
+# The metadata `format` of a voice-state file intone wrote (`server/voice_store.py`): its header
+# names the model it was made for.
+STORED_VOICE_FORMAT = "intone-voice-1"
 
 DEFAULT_MAX_SECONDS = 120.0
 MIN_SECONDS = 1.0
@@ -82,7 +85,7 @@ def _voice_state(model: PocketTTS, model_name: str, data: bytes) -> tuple[Voice,
             ) from None
         except Exception as e:
             raise _refuse(ErrorCode.BAD_VOICE_STATE, f"not a voice state: {e}") from None
-    made_for = metadata.get("model") if metadata.get("format") == FORMAT else None
+    made_for = metadata.get("model") if metadata.get("format") == STORED_VOICE_FORMAT else None
     if made_for is not None and made_for != model_name:
         raise _refuse(
             ErrorCode.BAD_VOICE_STATE,

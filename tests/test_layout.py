@@ -113,3 +113,27 @@ def test_imported_names_finds_every_absolute_import(source: str, names: set[str]
 def test_sys_path_edits_are_found() -> None:
     source = 'import sys\nsys.path.insert(0, str(ROOT / "bench"))\nprint(sys.path)'
     assert sys_path_edits(source) == ["sys.path.insert(0, str(ROOT / 'bench'))"]
+
+
+def test_bench_scripts_import_each_other_without_a_circle() -> None:
+    """The benchmark scripts are a flat folder of modules (not a package, so import-linter does
+    not see them): no chain of their imports leads back to where it started."""
+    scripts = {path.stem: path for path in BENCH.glob("*.py")}
+    graph = {
+        name: sorted(imported_names(path.read_text()) & set(scripts) - {name})
+        for name, path in scripts.items()
+    }
+
+    def circle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            name, path = stack.pop()
+            for imported in graph[name]:
+                if imported == start:
+                    return [*path, start]
+                if imported not in path:
+                    stack.append((imported, [*path, imported]))
+        return None
+
+    circles = [circle for name in graph if (circle := circle_from(name))]
+    assert not circles, f"bench/ modules that import each other in a circle: {circles}"

@@ -26,12 +26,12 @@ from pathlib import Path
 import safetensors
 
 from intone.engine.voices import Voice, save_voice_state
+from intone.provider.voice_input import STORED_VOICE_FORMAT
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 ID_PREFIX = "voice_"
-FORMAT = "intone-voice-1"  # the metadata's `format`: files this store wrote
 
 
 def owner_for(key: str | None) -> str | None:
@@ -103,7 +103,7 @@ class VoiceStore:
         try:
             with safetensors.safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-            if meta.get("format") != FORMAT or not is_voice_id(path.stem):
+            if meta.get("format") != STORED_VOICE_FORMAT or not is_voice_id(path.stem):
                 raise ValueError("not a voice this store wrote")
             return StoredVoice(
                 id=path.stem,
@@ -164,7 +164,12 @@ class VoiceStore:
         voice_id = ID_PREFIX + secrets.token_hex(12)
         path = self.directory / f"{voice_id}{SUFFIX}"
         temporary = self.directory / f".{voice_id}{SUFFIX}.tmp"
-        metadata = {"format": FORMAT, "name": name, "model": model, "seconds": f"{seconds:.3f}"}
+        metadata = {
+            "format": STORED_VOICE_FORMAT,
+            "name": name,
+            "model": model,
+            "seconds": f"{seconds:.3f}",
+        }
         if owner is not None:
             metadata["owner"] = owner
         try:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from intone.engine import Engine, EngineConfig
-from intone.engine.admission import AUTO_MAX, HEADROOM, PROBE_ROWS, StageCost, choose
+from intone.engine.admission import AUTO_MAX, StageCost, choose
+from intone.engine.config import HEADROOM, PROBE_ROWS
 
 FRAME_S = 0.08
 

@@ -34,11 +34,11 @@ from intone.engine import (
     TextTooLongError,
     UnknownVoiceError,
 )
+from intone.engine.config import LANE_PREFAULT_POSITIONS, PUSH_PIECE_CHARS
 from intone.engine.generate import fade_in, generate_latents
 from intone.engine.loading import LoadedModel
-from intone.engine.model_runner import LANE_PREFAULT_POSITIONS
-from intone.engine.options import GenerationOptions, plan_clause
-from intone.engine.stream import PUSH_PIECE_CHARS
+from intone.engine.options import GenerationOptions
+from intone.engine.text import plan_clause
 from intone.engine.voices import Voice
 
 from support.engine import (

@@ -165,7 +165,7 @@ async def test_an_unrecoverable_error_ends_every_stream(make_engine, where: str)
         raise SystemExit  # a thread that quits without an Exception
 
     if where == "ar":
-        engine._retire_requests = boom
+        engine.ar._retire_requests = boom
     elif where == "decoder":
         engine.decoder._run_control_items = boom
     else:
@@ -221,7 +221,7 @@ async def test_healthz_answers_503_with_the_reason(make_engine) -> None:
             def boom(*args) -> None:
                 raise InjectedFault("AR")
 
-            engine._retire_requests = boom
+            engine.ar._retire_requests = boom
             stream = engine.stream(None, options(1, max_frames=4))
             stream.push_text(TEXTS[0])  # wakes the AR thread, which dies
             _, error = await collect(stream)

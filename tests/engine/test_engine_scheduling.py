@@ -24,13 +24,12 @@ from intone.engine import (
     IdleTimeoutError,
     InvalidOptionError,
     Stream,
+    ar_worker,
     decoder_worker,
 )
-from intone.engine import engine as engine_module
+from intone.engine.config import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
-from intone.engine.engine import FIRST_FRAMES_ON_AR
 from intone.engine.metrics import EngineMetrics
-from intone.engine.pacing import DUE_LEAD_SHARE
 from intone.engine.sequence import Request
 
 from support.engine import (
@@ -325,7 +324,7 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     160 ms to play; otherwise each as it comes, the first from a fresh history, the second from
     the one the first left. The prefilled row joins the prefill iteration's AR step. The audio
     is unchanged."""
-    monkeypatch.setattr(engine_module, "HANDOVER_CALLS", 1000 if calls_outlast_a_frame else 0)
+    monkeypatch.setattr(ar_worker, "HANDOVER_CALLS", 1000 if calls_outlast_a_frame else 0)
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)  # busy with the other stream's backlog
     events: list[str] = []
@@ -381,7 +380,7 @@ async def test_a_new_stream_that_ends_before_its_first_audio_is_whole_is_decoded
     hands the ones it has to the busy decoder, before its end: none is lost or kept waiting. A
     stream cancelled while its first latents wait ends, and its pages go back."""
     assert FIRST_FRAMES_ON_AR > 1
-    monkeypatch.setattr(engine_module, "HANDOVER_CALLS", 1000)  # the first audio waits
+    monkeypatch.setattr(ar_worker, "HANDOVER_CALLS", 1000)  # the first audio waits
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)
     floor = voice_pages(engine)

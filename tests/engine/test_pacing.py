@@ -13,13 +13,9 @@ import pytest
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.pacing import (
-    AHEAD_OF_DECODER_CALLS,
-    Need,
-    PacingMode,
-    PacingPolicy,
-    Playback,
-)
+from intone.engine.config import AHEAD_OF_DECODER_CALLS, PacingMode
+from intone.engine.pacing import Need, PacingPolicy
+from intone.engine.playback import Playback
 from intone.engine.scheduler import Scheduler
 from intone.engine.sequence import Phase, Request, RequestMetrics
 

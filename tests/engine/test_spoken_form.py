@@ -7,9 +7,9 @@ import pytest
 
 from intone.engine.errors import InvalidOptionError
 from intone.engine.loading import LoadedModel
-from intone.engine.options import GenerationOptions, plan_clause
+from intone.engine.options import GenerationOptions
 from intone.engine.spoken_form import LANGUAGES
-from intone.engine.text import normalize_text, prepare_text
+from intone.engine.text import normalize_text, plan_clause, prepare_text
 
 CASES: dict[str, list[tuple[str, str]]] = {
     "en": [

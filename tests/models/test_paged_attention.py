@@ -18,8 +18,9 @@ from torch.nn import functional as F
 
 from intone.engine import native
 from intone.engine.block_manager import BlockManager, PageTable
+from intone.engine.config import LANE_PREFAULT_POSITIONS
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.model_runner import LANE_PREFAULT_POSITIONS, ModelRunner
+from intone.engine.model_runner import ModelRunner
 from intone.engine.models.pocket import lane_ops
 from intone.engine.models.pocket.kv_cache import (
     KVLanes,

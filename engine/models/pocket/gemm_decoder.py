@@ -511,12 +511,6 @@ class GemmDecoder:
         return x
 
 
-# Calls of one kind (pool rows in place or gathered) after which the engine's decoder traces it
-# (`EngineConfig.decoder_trace_after`), where `Engine.prepare_decoder` has not: tracing costs what
-# 20-40 eager calls do, so kinds called only now and then stay eager.
-TRACE_AFTER_CALLS = 20
-
-
 def make_decoder(
     mimi: Mimi,
     device: torch.device,
