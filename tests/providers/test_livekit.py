@@ -41,6 +41,7 @@ from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.provider import registry
 from intone.provider.server import create_app
 
+from support.engine import batched_steps, idle
 from support.server import serving
 
 # Clauses of a fixed length (random weights never hit EOS at this threshold): short, known audio.
@@ -151,24 +152,6 @@ async def wait_until(condition, timeout: float = 5.0, interval: float = 0.01) ->
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
-
-
-def idle(engine: Engine, pages_at_idle: int) -> bool:
-    m = engine.metrics()
-    # streams_open too: a turn parked waiting for text holds no batch slot, and a cancelled one
-    # is counted when its stream ends.
-    return (
-        m["streams_open"] == 0
-        and m["active_requests"] == 0
-        and m["queued_requests"] == 0
-        and m["kv_pages_in_use"] == pages_at_idle
-    )
-
-
-def batched_steps(engine: Engine) -> int:
-    """AR steps that ran more than one request."""
-    histogram = engine.metrics()["generate_batch_histogram"]
-    return sum(count for size, count in histogram.items() if int(size) > 1)
 
 
 # ---- fixtures

@@ -46,6 +46,7 @@ from intone.provider.backends import engine_options
 from intone.provider.pipecat import IntoneTTSService, IntoneTTSSettings
 from intone.provider.server import create_app
 
+from support.engine import batched_steps, idle
 from support.server import serving
 
 FAST_FIELDS = {"eos_threshold": 1e9, "max_frames": 8}
@@ -72,22 +73,6 @@ def tokens(text: str) -> list[LLMTextFrame]:
 
 def metrics_of(frames: list[Frame], kind: type) -> list:
     return [d for f in frames if isinstance(f, MetricsFrame) for d in f.data if isinstance(d, kind)]
-
-
-def idle(engine: Engine, pages_at_idle: int) -> bool:
-    m = engine.metrics()
-    # streams_open too: a turn parked waiting for text holds no batch slot.
-    return (
-        m["streams_open"] == 0
-        and m["active_requests"] == 0
-        and m["queued_requests"] == 0
-        and m["kv_pages_in_use"] == pages_at_idle
-    )
-
-
-def batched_steps(engine: Engine) -> int:
-    histogram = engine.metrics()["generate_batch_histogram"]
-    return sum(count for size, count in histogram.items() if int(size) > 1)
 
 
 @pytest.fixture(scope="module")

@@ -216,3 +216,21 @@ def check_outcome(
         done = outcome.clauses_done
         assert [d.clause for d in done] == list(range(len(reference.clauses(text)))), what
         assert [d.text for d in done] == reference.clauses(text), what
+
+
+def idle(engine: Engine, pages_at_idle: int) -> bool:
+    """No stream open (a turn parked waiting for text holds no batch slot, and a cancelled one
+    counts until its stream ends), nothing active or queued, only the voices' pages held."""
+    m = engine.metrics()
+    return (
+        m["streams_open"] == 0
+        and m["active_requests"] == 0
+        and m["queued_requests"] == 0
+        and m["kv_pages_in_use"] == pages_at_idle
+    )
+
+
+def batched_steps(engine: Engine) -> int:
+    """AR steps that ran more than one request."""
+    histogram = engine.metrics()["generate_batch_histogram"]
+    return sum(count for size, count in histogram.items() if int(size) > 1)
