@@ -14,7 +14,7 @@ device:
   work whose results it hands over (latents, first frames' histories); the decoder's stream waits
   for the newest such event before each call.
 - `values` and `array` are the only reads of device data on the host (EOS flags, audio): the
-  data-dependent points of a request. `tests/engine/test_fake_cuda.py` runs the engine on fake CUDA
+  data-dependent points of a request. `tests/test_fake_cuda.py` runs the engine on fake CUDA
   tensors (no data, no GPU) and replaces exactly these and the streams (`DeviceIO.stage`,
   `synchronize`), which need a real GPU: `device_io` is the seam it replaces.
 """
@@ -162,6 +162,6 @@ class DeviceIO:
 
 def device_io(name: str | torch.device) -> DeviceIO:
     """The `DeviceIO` of the device `name` names, on the GPUs this torch sees (ValueError for a
-    bad name, see `resolve_device`): the seam `tests/engine/test_fake_cuda.py` replaces."""
+    bad name, see `resolve_device`): the seam `tests/test_fake_cuda.py` replaces."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return DeviceIO(resolve_device(name, gpus, torch.cuda.current_device() if gpus else 0))

@@ -135,7 +135,7 @@ class FakeDeviceIO(DeviceIO):
 
 @pytest.fixture(scope="module")
 def family(
-    family_checkpoints: dict[str, Path],  # noqa: F811 (the fixture imported above)
+    family_checkpoints: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[str], tuple[LoadedModel, Path]]:
     """Per preset, once for both paths: its model on the host and a voice-state file."""
