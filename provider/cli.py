@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     engine_cli.main(argv, build_parser())
 
 
+def comma_list(items: list[str]) -> list[str]:
+    """A repeatable flag's values, each of which may hold several separated by commas."""
+    return [part.strip() for item in items for part in item.split(",") if part.strip()]
+
+
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """ServeOptions from `intone serve`'s parsed arguments (`add_serve_command` defines them)."""
     aliases = {}
@@ -35,12 +40,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         if not sep or not name or not voice:
             raise ValueError(f"--voice-alias expects NAME=VOICE, got {item!r}")
         aliases[name] = voice
-    keys = list(args.api_key) + [
-        key.strip() for key in os.environ.get("INTONE_API_KEYS", "").split(",") if key.strip()
-    ]
-    origins = [o.strip() for item in args.allowed_origins for o in item.split(",") if o.strip()]
-    hosts = [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
-    proxies = [p.strip() for item in args.forwarded_allow_ips for p in item.split(",") if p.strip()]
+    keys = list(args.api_key) + comma_list([os.environ.get("INTONE_API_KEYS", "")])
+    origins = comma_list(args.allowed_origins)
+    hosts = comma_list(args.allowed_hosts)
+    proxies = comma_list(args.forwarded_allow_ips)
     return ServeOptions(
         # One --model stays a plain value, as before several were allowed.
         model=args.model[0] if args.model and len(args.model) == 1 else args.model,
