@@ -552,16 +552,16 @@ async def _pump(
 class Framer:
     """Engine audio into frames for the emitter such that every non-final frame LiveKit sends is
     longer than 50 ms and shorter than 250 ms, strictly (LiveKit's own plugin tests hold them to
-    that).
+    that), with no audio held back: the first frame goes out with the engine's first delivery.
 
     The emitter holds back the last 10 ms of what it is given (to mark the segment's last audio
     final) and sends the rest: a frame pushed after another goes out at its own length, the first
-    one 10 ms shorter. So frames are pushed at 51-200 ms (the first at 61 ms or more), and 51 ms
-    is kept back until the end, so that the last frame, made of what is held and the resampler's
-    tail, is long enough too (a long remainder is split in equal parts under 200 ms). The first
-    frame waits for 112 ms of audio: two Mimi frames, the engine's first delivery. A segment of
-    less than 61 ms of audio has one short frame (no clause is that short unless `max_frames`
-    makes it so).
+    one 10 ms shorter. So whatever has arrived is pushed as soon as it is 51 ms or more (61 ms for
+    the first frame; one Mimi frame is 80 ms), split in equal parts under 200 ms. Only a delivery
+    shorter than that (the time-scaler's or the resampler's odd sizes) waits for the next one. At
+    the end, a remainder too short for a frame of its own is padded with silence to the shortest
+    frame: at most 61 ms after the segment's trailing silence, where holding 51 ms back all
+    along would have delayed every segment's first audio by a Mimi frame.
     """
 
     MAX_FRAME_S = 0.2
@@ -572,29 +572,36 @@ class Framer:
         self._tail = sample_rate * 10 // 1000  # the emitter's `_TAIL_SAMPLES`
         self._min = round(self.MIN_FRAME_S * sample_rate) + 1
         self._max = round(self.MAX_FRAME_S * sample_rate)
-        self._hold = self._min  # the end needs a frame of its own
         self._buffer = np.zeros(0, dtype=np.float32)
         self._pushed = False
 
+    @property
+    def _shortest(self) -> int:
+        return self._min if self._pushed else self._min + self._tail
+
     def push(self, samples: np.ndarray) -> list[rtc.AudioFrame]:
         self._buffer = np.concatenate([self._buffer, samples])
-        frames = []
-        while True:
-            shortest = self._min if self._pushed else self._min + self._tail
-            n = min(len(self._buffer) - self._hold, self._max)
-            if n < shortest:
-                return frames
-            frames.append(self._frame(self._buffer[:n]))
-            self._buffer = self._buffer[n:]
-            self._pushed = True
+        if len(self._buffer) < self._shortest:
+            return []
+        return self._drain()
 
     def finish(self, tail: np.ndarray) -> list[rtc.AudioFrame]:
-        out = np.concatenate([self._buffer, tail])
-        self._buffer = np.zeros(0, dtype=np.float32)
-        if not len(out):
+        self._buffer = np.concatenate([self._buffer, tail])
+        if not len(self._buffer):
             return []
-        parts = -(-len(out) // self._max)
-        return [self._frame(part) for part in np.array_split(out, parts)]
+        short = self._shortest - len(self._buffer)
+        if short > 0:
+            self._buffer = np.concatenate([self._buffer, np.zeros(short, dtype=np.float32)])
+        return self._drain()
+
+    def _drain(self) -> list[rtc.AudioFrame]:
+        """All of the buffer as equal frames under `MAX_FRAME_S` (each over 100 ms when there are
+        two or more, so never too short)."""
+        parts = -(-len(self._buffer) // self._max)
+        frames = [self._frame(part) for part in np.array_split(self._buffer, parts)]
+        self._buffer = np.zeros(0, dtype=np.float32)
+        self._pushed = True
+        return frames
 
     def _frame(self, samples: np.ndarray) -> rtc.AudioFrame:
         return rtc.AudioFrame(

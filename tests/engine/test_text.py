@@ -460,6 +460,21 @@ def test_first_clause_starts_early_at_a_comma(tok: Tokenizer) -> None:
     assert late.push(f"{first} ") == []
 
 
+def test_first_clause_ends_at_a_comma_without_waiting_for_the_next_token(tok: Tokenizer):
+    """An LLM streams "Hmm" then ","; the first clause need not wait for " I" to know it ended."""
+    splitter = ClauseSplitter(tok)
+    assert splitter.push("Hmm") == []
+    assert splitter.push(",") == ["Hmm,"]
+    assert splitter.push(" I don't see it,") == []  # not a first clause: waits as before
+    assert splitter.push(" sorry") == ["I don't see it,"]
+    for held in ("It is 1,", "See http://a.b/c,", "On November 30,"):
+        waits = ClauseSplitter(tok, first_clause_min_words=2)
+        assert waits.push(held) == [], held  # "1,000", a URL, "30, 2026" may go on
+    quoted = ClauseSplitter(tok)
+    assert quoted.push('"Yes,"') == ['"Yes,']
+    assert quoted.end() == ['"']
+
+
 def test_flush_forces_out_the_buffer(tok: Tokenizer) -> None:
     splitter = ClauseSplitter(tok)
     assert splitter.push("Hello wor") == []

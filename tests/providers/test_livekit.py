@@ -38,6 +38,7 @@ from livekit.plugins import intone
 from livekit.plugins.intone.tts import Framer
 
 from intone.engine import Engine, EngineConfig, InvalidOptionError
+from intone.engine.audio import to_pcm16
 from intone.provider import registry
 from intone.provider.server import create_app
 
@@ -757,6 +758,7 @@ async def test_framer_keeps_every_non_final_frame_within_50_to_250_ms(sample_rat
     size (one Mimi frame to several, odd resampled lengths) and every length of the last one."""
     rng = np.random.default_rng(sample_rate)
     frame = sample_rate * 80 // 1000  # one Mimi frame at this rate
+    shortest = sample_rate * 61 // 1000 + 1  # the first frame, the emitter's 10 ms included
     for case in range(60):
         sizes = [int(n) for n in rng.integers(1, 5, size=int(rng.integers(2, 12))) * frame]
         sizes = [max(1, n + int(rng.integers(-40, 40))) for n in sizes] if case % 2 else sizes
@@ -772,10 +774,13 @@ async def test_framer_keeps_every_non_final_frame_within_50_to_250_ms(sample_rat
         )
         emitter.start_segment(segment_id="s")
         framer = Framer(sample_rate)
+        audio = rng.uniform(0.1, 0.5, size=sum(sizes) + tail).astype(np.float32)
+        at = 0
         for n in sizes:
-            for f in framer.push(np.zeros(n, dtype=np.float32)):
+            for f in framer.push(audio[at : at + n]):
                 emitter.push_frame(f)
-        for f in framer.finish(np.zeros(tail, dtype=np.float32)):
+            at += n
+        for f in framer.finish(audio[at:]):
             emitter.push_frame(f)
         emitter.end_segment()
         emitter.end_input()
@@ -783,8 +788,22 @@ async def test_framer_keeps_every_non_final_frame_within_50_to_250_ms(sample_rat
         rx.close()
         events = [e async for e in rx]
         assert_livekit_frames(events)
-        total = sum(e.frame.samples_per_channel for e in events)
-        assert total == sum(sizes) + tail
+        # Every sample comes out in order, followed by at most a shortest frame of silence.
+        out = np.concatenate([np.frombuffer(e.frame.data, dtype=np.int16) for e in events])
+        assert out[: len(audio)].tobytes() == to_pcm16(audio)
+        assert len(out) - len(audio) < shortest
+        assert not out[len(audio) :].any()
+
+
+@pytest.mark.parametrize("sample_rate", [24000, 16000, 48000])
+def test_framer_sends_the_first_mimi_frame_as_it_comes(sample_rate: int):
+    """Nothing is held back: one Mimi frame of audio is a frame to send, and so is every one
+    after it; time to first audio is not paid for frame sizes."""
+    framer = Framer(sample_rate)
+    frame = sample_rate * 80 // 1000
+    for _ in range(3):
+        (sent,) = framer.push(np.full(frame, 0.1, dtype=np.float32))
+        assert sent.samples_per_channel == frame
 
 
 async def test_aclose_closes_streams_in_flight(
