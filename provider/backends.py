@@ -1,6 +1,6 @@
 """One interface over the in-process engine and a remote one (`intone serve`).
 
-`SpeechBackend` / `SpeechStream` hide the difference: `EngineBackend` (a lease on the process's
+`SpeechBackend` / `Speech` hide the difference: `EngineBackend` (a lease on the process's
 shared engine, `registry.py`) and `RemoteBackend` (a client connection per event loop) open
 streams that take text and yield the engine's `AudioChunk` / `ClauseDone` events alike, with the
 same clause timing. `make_backend` is the one place that picks between them, for both plugins;
@@ -68,8 +68,9 @@ def make_backend(
     return EngineBackend(registry.acquire(model, config=engine_config))
 
 
-class SpeechStream(Protocol):
-    """One request, in-process or remote: text in, `AudioChunk`/`ClauseDone` out."""
+class Speech(Protocol):
+    """What a backend's `open_stream` returns: one request's speech, in-process or remote,
+    text in, `AudioChunk`/`ClauseDone` out."""
 
     @property
     def sample_rate(self) -> int:
@@ -104,7 +105,7 @@ class SpeechBackend(Protocol):
         settings: dict[str, Any],
         sample_rate: int | None = None,
         model: str | None = None,
-    ) -> SpeechStream:
+    ) -> Speech:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
         which a remote server resamples to; the in-process engine yields its own rate.
         `voice`: a name (or a stored voice id, or a file path in process), or a voice file's
@@ -117,7 +118,7 @@ class SpeechBackend(Protocol):
 
 
 class EngineSpeech:
-    """The engine's `Stream` as a `SpeechStream`.
+    """The engine's `Stream` as a `Speech`.
 
     A turn may wait on a slow tool call for longer than the engine's idle timeout. If its engine
     stream times out mid-turn (`IdleTimeoutError`) and `reopen` is given, the turn goes on: its
@@ -261,7 +262,7 @@ def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOption
 
 
 class RemoteSpeech:
-    """A client stream of `intone serve` as a `SpeechStream` (float32 audio, clause events)."""
+    """A client stream of `intone serve` as a `Speech` (float32 audio, clause events)."""
 
     def __init__(self, backend: RemoteBackend, stream: Any):
         self._backend = backend
@@ -549,7 +550,7 @@ class Backends:
         voice: str | None,
         settings: dict[str, Any],
         sample_rate: int | None = None,
-    ) -> SpeechStream:
+    ) -> Speech:
         backend = await self.get(model)
         if self.remote is not None:
             name = None if model is None else str(getattr(model, "source", model))

@@ -97,7 +97,7 @@ class _Turn:
     """One audio context's engine stream and the task moving its audio into the context."""
 
     context_id: str
-    speech: backends.SpeechStream
+    speech: backends.Speech
     resampler: Any | None
     task: asyncio.Task | None = None
     has_text: bool = False

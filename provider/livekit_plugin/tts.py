@@ -446,9 +446,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                 return data
         return None
 
-    async def _feed(
-        self, speech: backends.SpeechStream, progress: _Progress, has_text: bool
-    ) -> None:
+    async def _feed(self, speech: backends.Speech, progress: _Progress, has_text: bool) -> None:
         try:
             async for data in self._input_ch:
                 if isinstance(data, self._FlushSentinel):
@@ -476,7 +474,7 @@ class _Progress:
     clauses_done: int = 0
     feed_error: Exception | None = None
 
-    def owes_audio(self, speech: backends.SpeechStream) -> bool:
+    def owes_audio(self, speech: backends.Speech) -> bool:
         """Whether the engine has text it has not finished speaking (what the timeout guards).
 
         Before the input ends, only clauses already submitted count: the LLM may be slow to
@@ -487,7 +485,7 @@ class _Progress:
         return speech.submitted_clauses > self.clauses_done
 
 
-async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
+async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.Speech:
     """A stream of the model `opts` names, on that model's backend."""
     if tts._closed:
         raise APIConnectionError("intone TTS is closed", retryable=False)
@@ -502,7 +500,7 @@ async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
 
 
 async def _pump(
-    speech: backends.SpeechStream,
+    speech: backends.Speech,
     output_emitter: tts.AudioEmitter,
     resampler: StreamResampler,
     timeout: float,
