@@ -1,6 +1,6 @@
 """One interface over the in-process engine and a remote one (`intone serve`).
 
-`SpeechBackend` / `SpeechStream` hide the difference: `EngineBackend` (a lease on the process's
+`SpeechBackend` / `Speech` hide the difference: `EngineBackend` (a lease on the process's
 shared engine, `registry.py`) and `RemoteBackend` (a client connection per event loop) open
 streams that take text and yield the engine's `AudioChunk` / `ClauseDone` events alike, with the
 same clause timing. `make_backend` is the one place that picks between them, for both plugins;
@@ -38,6 +38,8 @@ from intone.engine import (
 from intone.engine.events import WordTiming
 from intone.engine.options import option_names
 from intone.provider import protocol, registry
+from intone.provider.model_names import ModelSpec, model_key
+from intone.provider.voices import bytes_voice_name, engine_voice
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,9 @@ def make_backend(
     return EngineBackend(registry.acquire(model, config=engine_config))
 
 
-class SpeechStream(Protocol):
-    """One request, in-process or remote: text in, `AudioChunk`/`ClauseDone` out."""
+class Speech(Protocol):
+    """What a backend's `open_stream` returns: one request's speech, in-process or remote,
+    text in, `AudioChunk`/`ClauseDone` out."""
 
     @property
     def sample_rate(self) -> int:
@@ -102,7 +105,7 @@ class SpeechBackend(Protocol):
         settings: dict[str, Any],
         sample_rate: int | None = None,
         model: str | None = None,
-    ) -> SpeechStream:
+    ) -> Speech:
         """A new request. `settings`: GenerationOptions fields. `sample_rate`: the rate wanted,
         which a remote server resamples to; the in-process engine yields its own rate.
         `voice`: a name (or a stored voice id, or a file path in process), or a voice file's
@@ -115,7 +118,7 @@ class SpeechBackend(Protocol):
 
 
 class EngineSpeech:
-    """The engine's `Stream` as a `SpeechStream`.
+    """The engine's `Stream` as a `Speech`.
 
     A turn may wait on a slow tool call for longer than the engine's idle timeout. If its engine
     stream times out mid-turn (`IdleTimeoutError`) and `reopen` is given, the turn goes on: its
@@ -227,7 +230,7 @@ class EngineBackend:
         name: str | None = voice  # type: ignore[assignment]
         if voice is not None and (isinstance(voice, bytes) or voice not in engine.voices):
             # A checkpoint voice, a file or a file's bytes: registered once, off the loop.
-            name = await asyncio.to_thread(registry.ensure_voice, engine, voice)
+            name = await asyncio.to_thread(engine_voice, engine, voice)
         options = engine_options(engine, settings)
         return EngineSpeech(
             engine.stream(name, options),
@@ -259,7 +262,7 @@ def engine_options(engine: Engine, settings: dict[str, Any]) -> GenerationOption
 
 
 class RemoteSpeech:
-    """A client stream of `intone serve` as a `SpeechStream` (float32 audio, clause events)."""
+    """A client stream of `intone serve` as a `Speech` (float32 audio, clause events)."""
 
     def __init__(self, backend: RemoteBackend, stream: Any):
         self._backend = backend
@@ -418,7 +421,7 @@ class RemoteBackend:
         """The server's id for a voice given as bytes: uploaded once per content and model."""
         if not isinstance(voice, bytes):
             return voice
-        key = (registry.bytes_voice_name(voice), model)
+        key = (bytes_voice_name(voice), model)
         with self._lock:
             known = None if fresh else self._uploads.get(key)
         if known is None:
@@ -474,14 +477,14 @@ class Backends:
             cast(RemoteBackend, make_backend(base_url=base_url)) if base_url is not None else None
         )
 
-    def _key(self, model: registry.ModelSpec) -> str:
+    def _key(self, model: ModelSpec) -> str:
         if self.remote is not None:
             return "remote"
         if self._own_engine is not None:
             return "own"
-        return registry.model_key(model)
+        return model_key(model)
 
-    def _make(self, model: registry.ModelSpec, load: bool) -> SpeechBackend | None:
+    def _make(self, model: ModelSpec, load: bool) -> SpeechBackend | None:
         return make_backend(
             model=None if self._own_engine is not None else model,
             engine=self._own_engine,
@@ -489,7 +492,7 @@ class Backends:
             load=load,
         )
 
-    def adopt_loaded(self, model: registry.ModelSpec) -> None:
+    def adopt_loaded(self, model: ModelSpec) -> None:
         """Take the backend of `model` now if that needs no load: the caller's engine, or a
         shared engine already running. Remote: nothing to take."""
         if self.remote is not None:
@@ -503,14 +506,14 @@ class Backends:
                 return
         _close_soon(made)
 
-    def current(self, model: registry.ModelSpec) -> SpeechBackend | None:
+    def current(self, model: ModelSpec) -> SpeechBackend | None:
         """The backend of `model` if one was made, else None."""
         if self.remote is not None:
             return self.remote
         with self._lock:
             return self._backends.get(self._key(model))
 
-    def get_sync(self, model: registry.ModelSpec) -> SpeechBackend:
+    def get_sync(self, model: ModelSpec) -> SpeechBackend:
         """The backend of `model`, loading its engine if needed (blocks)."""
         if self.remote is not None:
             return self.remote
@@ -534,7 +537,7 @@ class Backends:
             raise EngineClosedError("this TTS is closed")
         return current
 
-    async def get(self, model: registry.ModelSpec) -> SpeechBackend:
+    async def get(self, model: ModelSpec) -> SpeechBackend:
         """`get_sync` off the event loop when an engine has to be loaded."""
         backend = self.current(model)
         if backend is not None:
@@ -543,11 +546,11 @@ class Backends:
 
     async def open_stream(
         self,
-        model: registry.ModelSpec,
+        model: ModelSpec,
         voice: str | None,
         settings: dict[str, Any],
         sample_rate: int | None = None,
-    ) -> SpeechStream:
+    ) -> Speech:
         backend = await self.get(model)
         if self.remote is not None:
             name = None if model is None else str(getattr(model, "source", model))

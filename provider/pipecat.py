@@ -37,8 +37,9 @@ from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, LoadedMo
 from intone.engine.audio import to_pcm16
 from intone.engine.errors import InvalidOptionError, Kind, UnknownModelError
 from intone.engine.options import check_settings, option_names
-from intone.provider import backends, registry
+from intone.provider import backends
 from intone.provider.errors import error_kind, is_busy
+from intone.provider.model_names import ModelSpec, pick_model, requested_name
 
 # Generation settings a turn's stream takes from the service settings: GenerationOptions'
 # fields, less flow_steps, which is fixed per engine.
@@ -96,7 +97,7 @@ class _Turn:
     """One audio context's engine stream and the task moving its audio into the context."""
 
     context_id: str
-    speech: backends.SpeechStream
+    speech: backends.Speech
     resampler: Any | None
     task: asyncio.Task | None = None
     has_text: bool = False
@@ -193,17 +194,11 @@ class IntoneTTSService(TTSService):
         if engine is not None and (model is not None or language is not None):
             raise ValueError("an engine of yours speaks its own model: no model= or language=")
         # The model new turns speak with, or why there is none (an unknown language).
-        self._model: registry.ModelSpec | UnknownModelError = registry.pick_model(
+        self._model: ModelSpec | UnknownModelError = pick_model(
             model, None if language is None else str(language)
         )
-        if isinstance(self._model, LoadedModel):
-            model_name = self._model.source
-        elif engine is not None:
-            model_name = engine.loaded.source
-        else:
-            model_name = str(self._model) if self._model is not None else "kyutai/pocket-tts"
         default_settings = self.Settings(
-            model=model_name,
+            model=engine.loaded.source if engine is not None else requested_name(self._model),
             voice=None,
             language=language,
             **{name: None for name in GENERATION_FIELDS},

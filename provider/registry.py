@@ -5,7 +5,7 @@ service never build engines of their own: they take a lease on the process-wide 
 model from this registry. Leases are reference-counted. Releasing one never stops the engine under
 the other holders; the engine is closed when the last lease goes, unless it was pinned with
 `prewarm()`, which keeps it for the life of the process (what a worker wants: no reload between
-jobs).
+jobs). A model's spellings share one engine (`model_names.model_key`).
 
 The registry is thread-safe: LiveKit's thread executor runs each job on its own thread and event
 loop, and all of them acquire from here. Loading blocks, so async callers use `acquire_async`.
@@ -14,49 +14,18 @@ loop, and all of them acquire from here. Loading blocks, so async callers use `a
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-from intone.engine import Engine, EngineConfig, GenerationOptions, LoadedModel, releases
-from intone.engine.errors import UnknownVoiceError
-from intone.engine.loading import DEFAULT_MODEL
+from intone.engine import Engine, EngineConfig, GenerationOptions, LoadedModel
+from intone.provider.model_names import ModelSpec, model_key
 
 logger = logging.getLogger(__name__)
-
-ModelSpec = str | Path | LoadedModel | None
 
 # The warm-up utterance: short, but long enough to run a prefill, AR steps and the decoder.
 WARMUP_TEXT = "Hello."
 WARMUP_MAX_FRAMES = 8
-
-
-def model_key(model: ModelSpec) -> str:
-    """The registry key of a model: one engine per key per process."""
-    if isinstance(model, LoadedModel):
-        model = model.source
-    name = DEFAULT_MODEL if model is None else str(model)
-    release = releases.release_name(name)
-    if release is not None:  # a release by any of its names ("fr", "french_24l")
-        return DEFAULT_MODEL if release == releases.DEFAULT_RELEASE else release
-    if name.startswith("hf://"):
-        return name
-    path = Path(name).expanduser().resolve()
-    # A checkpoint directory and its config.yaml are the same model.
-    return str(path / "config.yaml") if path.is_dir() else str(path)
-
-
-def pick_model(model: ModelSpec, language: str | None) -> ModelSpec:
-    """The model a TTS speaks with: `model` if given, else `language`'s (a code such as "fr"
-    or "fr-FR"; `releases.LANGUAGE_MODELS`), else the default. An unknown language raises
-    UnknownModelError naming the known ones: never a silent fallback to English."""
-    if model is not None:
-        return model
-    if language is not None:
-        return releases.model_for_language(language)
-    return None
 
 
 @dataclass
@@ -65,7 +34,6 @@ class _Entry:
     engine: Engine
     refs: int = 0
     pinned: bool = False
-    voice_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _lock = threading.Lock()
@@ -235,66 +203,6 @@ def warm_up(engine: Engine) -> None:
     thread.join()
     if errors:
         raise errors[0]
-
-
-def bytes_voice_name(data: bytes) -> str:
-    """The registry name of a voice given as a file's bytes: by content, so the same bytes
-    are encoded once."""
-    return "bytes-" + hashlib.sha256(data).hexdigest()[:24]
-
-
-def ensure_voice(engine: Engine, voice: str | bytes | None) -> str | None:
-    """Register `voice` with the engine if it is a checkpoint voice, a file not yet loaded or a
-    file's bytes (audio or a voice state, checked as the server checks an upload:
-    `VoiceRefusedError` with its code); returns the registry name.
-
-    The engine prefills only the default voice at start; the checkpoint's other named voices
-    (the released model has 17) and voice files are added on first use. Blocks: call it off the
-    event loop.
-    """
-    if isinstance(voice, bytes):
-        return _ensure_bytes_voice(engine, voice)
-    if voice is None or voice in engine.voices:
-        return voice
-    source = engine.loaded.voices.get(voice)
-    if source is None and Path(voice).expanduser().is_file():
-        source = str(Path(voice).expanduser())
-    if source is None and voice.startswith("hf://"):
-        source = voice
-    if source is None:
-        raise UnknownVoiceError(f"unknown voice {voice!r}; known voices: {known_voices(engine)}")
-    entry = _entry_of(engine)
-    lock = entry.voice_lock if entry is not None else threading.Lock()
-    with lock:
-        if voice not in engine.voices:
-            logger.info("adding voice %r from %s", voice, source)
-            engine.add_voice(voice, source)
-    return voice
-
-
-def _ensure_bytes_voice(engine: Engine, data: bytes) -> str:
-    from intone.provider.voice_input import decode_voice
-
-    name = bytes_voice_name(data)
-    entry = _entry_of(engine)
-    lock = entry.voice_lock if entry is not None else threading.Lock()
-    with lock:
-        if name not in engine.voices:
-            source = engine.loaded.source
-            model = releases.release_name(source) or Path(source.replace("\\", "/")).stem
-            voice, seconds = decode_voice(engine.model, model, data)
-            logger.info("adding voice %r from %.1f s of audio given as bytes", name, seconds)
-            engine.add_voice(name, voice)
-    return name
-
-
-def known_voices(engine: Engine) -> list[str]:
-    return sorted(set(engine.voices) | set(engine.loaded.voices))
-
-
-def _entry_of(engine: Engine) -> _Entry | None:
-    with _lock:
-        return next((e for e in _entries.values() if e.engine is engine), None)
 
 
 # ---- load reporting

@@ -55,8 +55,9 @@ from intone.engine import (
 from intone.engine.audio import StreamResampler, to_pcm16
 from intone.engine.errors import Kind
 from intone.engine.options import check_settings, option_names
-from intone.provider import backends, registry
+from intone.provider import backends
 from intone.provider.errors import error_kind
+from intone.provider.model_names import pick_model, requested_name
 
 from .log import logger
 from .models import TTSModels, TTSVoices
@@ -175,7 +176,7 @@ class TTS(tts.TTS):
         self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
         self._opts = _TTSOptions(
             voice=voice,
-            model=registry.pick_model(model, _language(language)),
+            model=pick_model(model, _language(language)),
             temperature=temperature,
             eos_threshold=eos_threshold,
             frames_after_eos=frames_after_eos,
@@ -204,11 +205,9 @@ class TTS(tts.TTS):
         if remote is not None and model is None:
             # The server's default model, from its hello; until the first connection, unknown.
             return remote.server_model or "unknown"
-        if isinstance(model, LoadedModel):
-            return model.source
         if self._own_engine is not None:
             return self._own_engine.loaded.source
-        return str(model) if model is not None else "kyutai/pocket-tts"
+        return requested_name(model)
 
     @property
     def provider(self) -> str:
@@ -249,7 +248,7 @@ class TTS(tts.TTS):
             self._opts = replace(self._opts, model=model)
         elif is_given(language) or is_given(model):
             lang = language if is_given(language) else None
-            self._opts = replace(self._opts, model=registry.pick_model(None, _language(lang)))
+            self._opts = replace(self._opts, model=pick_model(None, _language(lang)))
         given = {
             "voice": voice,
             "temperature": temperature,
@@ -447,9 +446,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                 return data
         return None
 
-    async def _feed(
-        self, speech: backends.SpeechStream, progress: _Progress, has_text: bool
-    ) -> None:
+    async def _feed(self, speech: backends.Speech, progress: _Progress, has_text: bool) -> None:
         try:
             async for data in self._input_ch:
                 if isinstance(data, self._FlushSentinel):
@@ -477,7 +474,7 @@ class _Progress:
     clauses_done: int = 0
     feed_error: Exception | None = None
 
-    def owes_audio(self, speech: backends.SpeechStream) -> bool:
+    def owes_audio(self, speech: backends.Speech) -> bool:
         """Whether the engine has text it has not finished speaking (what the timeout guards).
 
         Before the input ends, only clauses already submitted count: the LLM may be slow to
@@ -488,7 +485,7 @@ class _Progress:
         return speech.submitted_clauses > self.clauses_done
 
 
-async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
+async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.Speech:
     """A stream of the model `opts` names, on that model's backend."""
     if tts._closed:
         raise APIConnectionError("intone TTS is closed", retryable=False)
@@ -503,7 +500,7 @@ async def _open_speech(tts: TTS, opts: _TTSOptions) -> backends.SpeechStream:
 
 
 async def _pump(
-    speech: backends.SpeechStream,
+    speech: backends.Speech,
     output_emitter: tts.AudioEmitter,
     resampler: StreamResampler,
     timeout: float,

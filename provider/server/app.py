@@ -32,7 +32,7 @@ from intone.provider.server import openai_api, voice_api
 from intone.provider.server.access import bearer
 from intone.provider.server.forwarded import ForwardedClients
 from intone.provider.server.openai_api import error_response
-from intone.provider.server.runtime import EngineUnavailableError, Runtime, ServedModel, model_name
+from intone.provider.server.runtime import EngineUnavailableError, Runtime, ServedModel
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.websocket import websocket_endpoint
 
@@ -238,7 +238,7 @@ async def healthz(runtime: Runtime, request: Request) -> Response:
     failures = [h.reason for h in (e.health() for e in runtime.engines) if not h.ok]
     body = {
         "status": "draining" if runtime.draining else "unhealthy" if failures else "ok",
-        "model": model_name(loaded.source),
+        "model": runtime.models[0].name,  # as the hello and /v1/models name it
         "version": runtime.version,
         "weights": loaded.weights,
         "sample_rate": engine.sample_rate,

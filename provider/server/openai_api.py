@@ -124,8 +124,9 @@ def header_value(value: str) -> str:
     return ascii(value)[1:-1] if not (value.isascii() and value.isprintable()) else value
 
 
-class HttpStream:
-    """An HTTP synthesis in flight, as the runtime's drain and watchdog see it."""
+class SpeechResponse:
+    """One `POST /v1/audio/speech` response in flight, as the runtime's drain and watchdog see
+    it: its engine stream, and why the server cut it short."""
 
     def __init__(self, request_id: str, engine_stream: EngineStream, runtime: Runtime, tenant: str):
         self.request_id = request_id
@@ -279,7 +280,7 @@ async def _speech(request: Request, runtime: Runtime, request_id: str, log: Any)
         runtime.limits.close_stream(tenant)
         raise
 
-    handle = HttpStream(request_id, engine_stream, runtime, tenant)
+    handle = SpeechResponse(request_id, engine_stream, runtime, tenant)
     log = log.bind(voice=voice, format=request_.format, stream_format=request_.stream_format)
     if label is not None:
         log = log.bind(key=label)
@@ -420,7 +421,7 @@ def _parse(body: dict[str, Any]) -> _Request:
 
 async def _generate(
     runtime: Runtime,
-    handle: HttpStream,
+    handle: SpeechResponse,
     model_rate: int,
     request: _Request,
     sse: bool,
@@ -495,7 +496,7 @@ class _GuardedStreamingResponse(StreamingResponse):
     the final chunk: the server then closes the connection and the client sees a cut response;
     (4) releases the request's connection slot."""
 
-    def __init__(self, content: Any, handle: HttpStream, **kwargs: Any):
+    def __init__(self, content: Any, handle: SpeechResponse, **kwargs: Any):
         super().__init__(content, **kwargs)
         self.handle = handle
 

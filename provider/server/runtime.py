@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from intone.engine import Engine, releases
 from intone.engine.errors import UnknownModelError
+from intone.provider.model_names import model_name
 from intone.provider.protocol import echo
 from intone.provider.server.access import Access
 from intone.provider.server.limits import Limits
@@ -31,6 +32,7 @@ from intone.provider.server.metrics import EnginesCollector, ServerMetrics
 from intone.provider.server.settings import ServerSettings
 from intone.provider.server.voice_store import VoiceStore
 from intone.provider.server.voices import VoiceResolver, add_voice_dir
+from intone.provider.voices import known_voices
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +42,6 @@ def server_version() -> str:
         return metadata.version("intone")
     except metadata.PackageNotFoundError:  # running from a source tree
         return "unknown"
-
-
-def model_name(source: str) -> str:
-    """What clients are told about the checkpoint: its hub id or its file's stem, never a local
-    directory (it would tell a stranger how the host is laid out)."""
-    if source.startswith("hf://"):
-        return source
-    path = PurePosixPath(source.replace("\\", "/"))
-    # A checkpoint directory holds `config.yaml`: its directory's name says which one.
-    name = path.parent.name if path.stem == "config" else path.stem
-    return name or "model"
 
 
 # Model names OpenAI clients send (Pipecat's and LiveKit's OpenAI TTS do): the default model.
@@ -69,6 +60,30 @@ class ServedModel:
     aliases: list[str] = field(default_factory=list)  # other names that pick it
     language: str | None = None  # a release's language
 
+    def take_names(self, taken: set[str]) -> None:
+        """Its name and aliases, none of them in `taken` (which then holds them): a release by
+        its reference name (plus the --model value, its shortcuts and its language), another
+        checkpoint by its directory or file name (`model_names.model_name`)."""
+        assert self.engine is not None
+        source = self.engine.loaded.source
+        name = model_name(source)
+        aliases: list[str] = []
+        release = releases.release_name(source)
+        if release is not None:
+            self.language = releases.language_of(release)
+            aliases = [*releases.language_shortcuts(release), self.language]
+            aliases.append(releases.LANGUAGES[self.language])
+        if self.requested is not None:
+            aliases.insert(0, self.requested)
+        base, n = name, 2
+        while name in taken:
+            name, n = f"{base}-{n}", n + 1
+        taken.add(name)
+        self.name = name
+        # A language or shortcut served twice picks the first model that has it.
+        self.aliases = [a for a in dict.fromkeys(aliases) if a not in taken]
+        taken.update(self.aliases)
+
     def describe(self) -> dict[str, Any]:
         assert self.engine is not None and self.voices is not None
         return {
@@ -79,38 +94,6 @@ class ServedModel:
             "voices": self.voices.known(),
             "default_voice": self.engine.default_voice,
         }
-
-
-def _names(model: ServedModel, taken: set[str]) -> None:
-    """A served model's name and aliases: a release by its reference name (plus the --model
-    value, its shortcuts and its language); another checkpoint by its directory or file name."""
-    assert model.engine is not None
-    source = model.engine.loaded.source
-    release = releases.release_name(source)
-    if release is not None:
-        name = release
-        model.language = releases.language_of(release)
-        aliases = [*releases.language_shortcuts(release), model.language]
-        aliases.append(releases.LANGUAGES[model.language])
-    else:
-        name = model_name(source)
-        if not source.startswith("hf://"):
-            # A checkpoint directory is named by the directory, not its config.yaml.
-            path = PurePosixPath(source.replace("\\", "/"))
-            if path.suffix in (".yaml", ".yml"):
-                path = path.parent if path.stem == "config" else path.with_suffix("")
-            name = path.name or name
-        aliases = []
-    if model.requested is not None:
-        aliases.insert(0, model.requested)
-    base, n = name, 2
-    while name in taken:
-        name, n = f"{base}-{n}", n + 1
-    taken.add(name)
-    model.name = name
-    # A language or shortcut served twice picks the first model that has it.
-    model.aliases = [a for a in dict.fromkeys(aliases) if a not in taken]
-    taken.update(model.aliases)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -302,7 +285,7 @@ class Runtime:
         self.voice_store = store
         for index, served in enumerate(self.models):
             await self._prepare_model(served, default=index == 0)
-            _names(served, taken)
+            served.take_names(taken)
             assert served.voices is not None and served.engine is not None
             served.voices.store, served.voices.model = store, served.name
             await asyncio.to_thread(_register_stored, served.engine, store, served.name)
@@ -322,7 +305,7 @@ class Runtime:
         await asyncio.to_thread(engine.prepare_decoder)
         if self._voices_dir is not None:
             await asyncio.to_thread(add_voice_dir, engine, self._voices_dir)
-        known = set(engine.voices) | set(engine.loaded.voices)
+        known = known_voices(engine)
         # Aliases must name a voice of the default model; other models take those they can.
         aliases = {}
         for alias, target in self.settings.voice_aliases.items():

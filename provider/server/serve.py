@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from intone.engine import Engine, EngineConfig
-from intone.provider.registry import model_key
+from intone.provider.model_names import model_key
 from intone.provider.server.access import LOOPBACK_HOSTS, is_loopback
 from intone.provider.server.app import create_app
 from intone.provider.server.logs import configure_logging

@@ -1,7 +1,9 @@
-"""The server's voices: a directory of prompts, OpenAI voice-name aliases, lazy checkpoint voices.
+"""The server's voices: a directory of prompts, OpenAI voice-name aliases, uploaded voices.
 
 Every voice ends up in the engine's registry (`engine.add_voice`), which prefills its prompt once
-and shares the resulting KV pages between all requests using it.
+and shares the resulting KV pages between all requests using it. What a voice name means to any
+engine, and how a checkpoint's voice is loaded on first use, is `intone.provider.voices`; what
+only the server has (aliases, uploads, their owners) is here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from intone.engine import Engine, UnknownVoiceError
 from intone.provider.protocol import echo
 from intone.provider.server.voice_store import VoiceStore
+from intone.provider.voices import add_checkpoint_voice, known_voices
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +80,7 @@ class VoiceResolver:
 
     def shared_names(self) -> list[str]:
         """The server's own voices: registry and checkpoint voices, not uploads."""
-        names = set(self.engine.voices) | set(self.engine.loaded.voices)
-        return sorted(name for name in names if not self._stored(name))
+        return [name for name in known_voices(self.engine) if not self._stored(name)]
 
     def _stored(self, name: str) -> bool:
         return self.store is not None and name in self.store
@@ -151,9 +153,9 @@ class VoiceResolver:
         model's predefined voices): load it once, on first use, off the event loop."""
         task = self._loading.get(name)
         if task is None:
-            source = self.engine.loaded.voices[name]
-            logger.info("loading checkpoint voice %r from %s on first use", name, source)
-            task = asyncio.ensure_future(asyncio.to_thread(self.engine.add_voice, name, source))
+            # One task per voice, so that a burst of requests holds one worker thread, not one
+            # each.
+            task = asyncio.ensure_future(asyncio.to_thread(add_checkpoint_voice, self.engine, name))
             self._loading[name] = task
         try:
             await asyncio.shield(task)

@@ -57,8 +57,9 @@ _CLOSE = object()  # outbox item: close the socket after what is queued before i
 MAX_QUEUED_EVENTS = 1024
 
 
-class WsStream:
-    """Server-side state of one stream on a connection."""
+class WsStreamState:
+    """The server's state of one protocol stream on a connection (`start` to its final event):
+    its engine `Stream`, encoder, counters and the client's playback position."""
 
     def __init__(
         self,
@@ -129,7 +130,7 @@ class Connection:
         self.settings = runtime.settings
         self.id = uuid.uuid4().hex[:8]
         self.log = bind(logger, connection=self.id)
-        self.streams: dict[str, WsStream] = {}
+        self.streams: dict[str, WsStreamState] = {}
         self.tenant = _client_host(websocket)
         self.owner: str | None = None  # whose uploaded voices it may use (none without keys)
         self._reserved: set[str] = set()  # ids whose start is being processed
@@ -259,7 +260,7 @@ class Connection:
             )
             self._outbox.put_nowait((_CLOSE, (CloseCode.IDLE_TIMEOUT, "idle_timeout"), 0.0))
 
-    def _watch_playback(self, stream: WsStream, now: float) -> None:
+    def _watch_playback(self, stream: WsStreamState, now: float) -> None:
         """A stream paced by `playback` reports makes no audio while it is far ahead of the
         last one (the pump holds it `max_buffered_audio` ahead; with pacing "hold" the engine
         `lead_s` ahead):
@@ -387,7 +388,7 @@ class Connection:
                 stream.engine_stream.report_playback(stream.played_seconds)
                 stream.room.set()
 
-    def _active(self, message: protocol.Message) -> WsStream:
+    def _active(self, message: protocol.Message) -> WsStreamState:
         kind = message.TYPE
         stream = self.streams.get(message.stream)
         if stream is not None:
@@ -463,7 +464,7 @@ class Connection:
             raise
         finally:
             self._reserved.discard(sid)
-        stream = WsStream(
+        stream = WsStreamState(
             self,
             sid,
             next(self._channels),
@@ -511,7 +512,7 @@ class Connection:
 
     # ---- input
 
-    async def _push(self, stream: WsStream, text: str, cause: str = "text") -> None:
+    async def _push(self, stream: WsStreamState, text: str, cause: str = "text") -> None:
         def refuse(code: ErrorCode, detail: str) -> ProtocolError:
             return ProtocolError(code, detail, stream.id, cause=cause)
 
@@ -541,7 +542,7 @@ class Connection:
         if stream.first_text_at is None and text.strip():
             stream.first_text_at = time.perf_counter()
 
-    def _flush(self, stream: WsStream) -> None:
+    def _flush(self, stream: WsStreamState) -> None:
         if stream.input_ended:
             raise ProtocolError(
                 ErrorCode.STREAM_CLOSED, "input already ended", stream.id, cause="flush"
@@ -552,7 +553,7 @@ class Connection:
             code = protocol.engine_error_code(e)
             raise ProtocolError(code, str(e), stream.id, cause="flush") from None
 
-    def _end(self, stream: WsStream, cause: str) -> None:
+    def _end(self, stream: WsStreamState, cause: str) -> None:
         if stream.input_ended:
             raise ProtocolError(
                 ErrorCode.STREAM_CLOSED, "input already ended", stream.id, cause=cause
@@ -577,7 +578,7 @@ class Connection:
 
     # ---- output
 
-    async def _pump(self, stream: WsStream) -> None:
+    async def _pump(self, stream: WsStreamState) -> None:
         """Engine events -> outbox, until the stream ends one way or another."""
         try:
             async for event in stream.engine_stream:
@@ -615,7 +616,7 @@ class Connection:
                 )
             )
 
-    async def _wait_for_room(self, stream: WsStream) -> None:
+    async def _wait_for_room(self, stream: WsStreamState) -> None:
         """Hold the pump while the client has `max_buffered_audio` seconds not yet taken (or
         heard). Both ways of waiting forever are the watchdog's business: a writer stuck on
         the socket drops the connection, a listener that stops reporting ends the stream."""
@@ -623,7 +624,7 @@ class Connection:
             stream.room.clear()
             await stream.room.wait()
 
-    def _send_audio(self, stream: WsStream, pcm: bytes) -> None:
+    def _send_audio(self, stream: WsStreamState, pcm: bytes) -> None:
         if not pcm or stream.cancelled:
             return
         if stream.first_audio_at is None:
@@ -638,7 +639,7 @@ class Connection:
         stream.queued_seconds += seconds
         self._outbox.put_nowait((stream, frame, seconds))
 
-    def _clause_event(self, stream: WsStream, event: ClauseDone) -> protocol.ClauseDoneEvent:
+    def _clause_event(self, stream: WsStreamState, event: ClauseDone) -> protocol.ClauseDoneEvent:
         audio_seconds = stream.clause_samples / stream.model_rate
         stream.clause_samples = 0
         return protocol.ClauseDoneEvent(
@@ -654,7 +655,7 @@ class Connection:
             ],
         )
 
-    def _metrics(self, stream: WsStream) -> dict[str, Any]:
+    def _metrics(self, stream: WsStreamState) -> dict[str, Any]:
         metrics: dict[str, Any] = dict(stream.engine_stream.metrics.as_dict())
         since = stream.first_text_at or stream.started_at
         metrics.update(
@@ -669,7 +670,7 @@ class Connection:
 
     # ---- ending
 
-    def cancel_stream(self, stream: WsStream, reason: str) -> None:
+    def cancel_stream(self, stream: WsStreamState, reason: str) -> None:
         if stream.finished:
             return
         stream.cancelled = True
@@ -678,7 +679,7 @@ class Connection:
         self._send_event(protocol.CancelledEvent(stream.id, reason))
         stream.log.info("stream cancelled", extra={"reason": reason})
 
-    def expire_stream(self, stream: WsStream) -> None:
+    def expire_stream(self, stream: WsStreamState) -> None:
         if stream.finished:
             return
         limit = self.settings.max_stream_seconds
@@ -692,7 +693,7 @@ class Connection:
             )
         )
 
-    def _abandon(self, stream: WsStream, why: str) -> None:
+    def _abandon(self, stream: WsStreamState, why: str) -> None:
         """Nobody to tell (gone, or not reading): release the engine state."""
         if stream.finished:
             return
@@ -701,7 +702,7 @@ class Connection:
         self._finish(stream, "disconnected")
         stream.log.info("stream abandoned: %s", why)
 
-    def _fail(self, stream: WsStream, outcome: str = "error") -> None:
+    def _fail(self, stream: WsStreamState, outcome: str = "error") -> None:
         """The stream is over with an error (whose final event the caller sends)."""
         if stream.finished:
             return
@@ -709,7 +710,7 @@ class Connection:
         stream.engine_stream.cancel()
         self._finish(stream, outcome)
 
-    def _finish(self, stream: WsStream, outcome: str) -> None:
+    def _finish(self, stream: WsStreamState, outcome: str) -> None:
         stream.finished = True
         stream.room.set()  # a pump waiting for room sees the end
         self.streams.pop(stream.id, None)
@@ -770,7 +771,7 @@ class Connection:
                 self.log.debug("send failed: %s", e)
                 return
             finally:
-                if isinstance(stream, WsStream):
+                if isinstance(stream, WsStreamState):
                     stream.queued_seconds -= seconds
                     stream.room.set()
 

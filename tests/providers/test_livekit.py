@@ -41,6 +41,7 @@ from intone.engine import Engine, EngineConfig, InvalidOptionError
 from intone.engine.audio import to_pcm16
 from intone.provider import registry
 from intone.provider.server import create_app
+from intone.provider.voices import bytes_voice_name
 
 from support.engine import batched_steps, idle
 from support.server import serving
@@ -826,7 +827,7 @@ async def test_a_voice_given_as_bytes_in_process_and_remote(
     """The bytes of a voice file: registered once in process (by content), uploaded once to a
     server (its id then names it there, and in process over the server's engine)."""
     data = (tiny_checkpoint / "voices" / "default.wav").read_bytes()
-    name = registry.bytes_voice_name(data)
+    name = bytes_voice_name(data)
     local = intone.TTS(model=tiny_checkpoint, voice=data, **FAST)
     for _ in range(2):
         frame = await local.synthesize("A voice from bytes.").collect()

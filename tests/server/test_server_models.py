@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from intone.engine import UnknownModelError
 from intone.provider.client import IntoneClient, IntoneError
 from intone.provider.server import ServerSettings, create_app
-from intone.provider.server.runtime import Runtime, ServedModel, _names
+from intone.provider.server.runtime import Runtime, ServedModel
 from intone.provider.server.voices import VoiceResolver
 
 from support.server import TEST_SETTINGS, ServerThread, make_engine, recv_event, send
@@ -157,7 +157,7 @@ def test_release_names_languages_and_shortcuts_pick_models() -> None:
     ]
     taken: set[str] = set()
     for served in models:
-        _names(served, taken)
+        served.take_names(taken)
         served.voices = VoiceResolver(served.engine)  # type: ignore[arg-type]
     runtime = Runtime(models=models)
     runtime.voices = models[0].voices  # ready: names are set
