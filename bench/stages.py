@@ -161,9 +161,9 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
     mimi = load_model(model_dir).model.mimi
     decoders = {
         "mimi": mimi,
-        "gemm": CpuDecoder(mimi),
-        "gemm-int8": CpuDecoder(mimi, int8=True),
-        "gemm-int8-whole": CpuDecoder(mimi, int8=True, seanet_group_values=2**62),
+        "cpu": CpuDecoder(mimi),
+        "cpu-int8": CpuDecoder(mimi, int8=True),
+        "cpu-int8-whole": CpuDecoder(mimi, int8=True, seanet_group_values=2**62),
     }
     rows = []
     for batch, frames in ((1, 1), (4, 1), (16, 1), (8, 4), (16, 4)):
