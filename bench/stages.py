@@ -11,13 +11,13 @@ decoder threads), which is what the engine does on the CPU.
     python bench/stages.py --model checkpoints/full [--batches 1,2,4,8,16] [--threads 1,2]
         [--dtype auto|float32|bfloat16]
 
-`--attention` instead compares the AR step at 16 rows with its decode attention read from per-row
-lanes by the native operator (the engine's on a CPU with a C++ compiler), the same lanes read in
-torch, and gathered from the pool per layer (the path before lanes), interleaved on one thread,
-at each of `--contexts`.
+`--attention` instead compares the AR step at 16 rows with its decode attention read from each
+row's dense context by the native operator (the engine's on a CPU with a C++ compiler), the same
+contexts read in torch, and gathered from the pool per layer (the model's own path, and the
+engine's before `RowContexts`), interleaved on one thread, at each of `--contexts`.
 
 `--decoders` instead compares the Mimi decoder implementations on one thread (the checkpoint's
-`Mimi.decode`, the engine's `GemmDecoder` in float32 and with int8 transformer linears, and the
+`Mimi.decode`, the engine's `CpuDecoder` in float32 and with int8 transformer linears, and the
 latter with its SEANet run on the whole batch at once instead of in groups of rows) at 16 rows x
 1 frame, 8 and 16 rows x 4 frames: the variants run interleaved, and each reports the
 minimum over `--repeats` calls of its thread CPU time and of its wall time, per row-frame (the
@@ -53,9 +53,10 @@ def _time(fn, repeats: int) -> float:
 
 def build(model_dir: str, device: str, max_rows: int, context: int, engine_options: dict):
     from intone.engine import Engine, EngineConfig
+    from intone.engine.kernels.row_contexts import plan_row_context_step
     from intone.engine.loading import load_model
     from intone.engine.model_runner import GenerateInputs
-    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_lane_step
+    from intone.engine.models.pocket.kv_cache import SequenceStep
 
     # torch_threads=0: this script sets the thread count itself (no per-stage thread budget).
     # max_active: the decoder state pool holds a row for every batch size asked for.
@@ -71,8 +72,8 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         per_row = context + 1
         steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
         # Seated once, as rows that stay in the batch are: each call rewrites the same position.
-        order, positions, attention = plan_lane_step(
-            runner.lanes, steps, list(steps), native=runner.native_lanes
+        order, positions, attention = plan_row_context_step(
+            runner.row_contexts, steps, list(steps), native=runner.native_row_attention
         )
         previous = torch.randn(rows, flow_lm.latent_dim, device=device)
         noise = torch.randn(rows, flow_lm.latent_dim, device=device) * 0.5
@@ -153,16 +154,16 @@ def profile(ar, decode, repeats: int) -> None:
 def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
     """Per row-frame cost of each decoder implementation, one thread, interleaved calls; the
     one- and four-row calls show what a call costs apart from its row-frames."""
+    from intone.engine.kernels.cpu_decoder import CpuDecoder
     from intone.engine.loading import load_model
-    from intone.engine.models.pocket.gemm_decoder import GemmDecoder
 
     torch.set_num_threads(1)
     mimi = load_model(model_dir).model.mimi
     decoders = {
         "mimi": mimi,
-        "gemm": GemmDecoder(mimi),
-        "gemm-int8": GemmDecoder(mimi, int8=True),
-        "gemm-int8-whole": GemmDecoder(mimi, int8=True, seanet_group_values=2**62),
+        "cpu": CpuDecoder(mimi),
+        "cpu-int8": CpuDecoder(mimi, int8=True),
+        "cpu-int8-whole": CpuDecoder(mimi, int8=True, seanet_group_values=2**62),
     }
     rows = []
     for batch, frames in ((1, 1), (4, 1), (16, 1), (8, 4), (16, 4)):
@@ -197,13 +198,14 @@ def compare_decoders(model_dir: str, repeats: int) -> list[dict]:
 
 
 def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list[dict]:
-    """The AR step at 16 rows with its decode attention read from per-row lanes (the engine's,
-    `plan_lane_step`), by the native operator where it builds and in torch, against a padded gather
-    from the pool per layer (`plan_step`, still the single-request path's): one thread, the
-    variants interleaved on the same runner and pool, the minimum and median thread CPU time
-    over `repeats` calls each."""
+    """The AR step at 16 rows with its decode attention read from each row's dense context (the
+    engine's, `plan_row_context_step`), by the native operator where it builds and in torch,
+    against a padded gather from the pool per layer (`plan_step`, still the single-request
+    path's): one thread, the variants interleaved on the same runner and pool, the minimum and
+    median thread CPU time over `repeats` calls each."""
+    from intone.engine.kernels.row_contexts import plan_row_context_step
     from intone.engine.model_runner import GenerateInputs
-    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_lane_step, plan_step
+    from intone.engine.models.pocket.kv_cache import SequenceStep, plan_step
 
     torch.set_num_threads(1)
     rows, results = 16, []
@@ -212,11 +214,12 @@ def compare_attention(model_dir: str, contexts: list[int], repeats: int) -> list
     for context in contexts:
         per_row = context + 1
         steps = [SequenceStep(torch.arange(r * per_row, (r + 1) * per_row), 1) for r in range(rows)]
-        variants = {}
-        if runner.native_lanes:
-            variants["lanes-native"] = plan_lane_step(runner.lanes, steps, list(steps), native=True)
-        variants["lanes-torch"] = plan_lane_step(runner.lanes, steps, list(steps))
-        order, positions, _ = variants["lanes-torch"]
+        variants, contexts = {}, runner.row_contexts
+        if runner.native_row_attention:
+            native = plan_row_context_step(contexts, steps, list(steps), native=True)
+            variants["dense-native"] = native
+        variants["dense-torch"] = plan_row_context_step(contexts, steps, list(steps))
+        order, positions, _ = variants["dense-torch"]
         _, gather = plan_step(runner.pool, steps)
         fixed = (torch.randn(rows, latent_dim), torch.randn(rows, latent_dim) * 0.5)
         calls = {}
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention",
         action="store_true",
-        help="compare the AR step's attention (lanes natively, in torch, a gather) at --contexts",
+        help="compare the AR step's attention (dense natively, in torch, a gather) at --contexts",
     )
     parser.add_argument("--contexts", default="80,150,250", help="positions per row (--attention)")
     parser.add_argument(

@@ -123,7 +123,7 @@ def measure(
     try:
 
         def timed(call) -> float:
-            call()  # warm-up: shapes, lanes, allocator
+            call()  # warm-up: shapes, row contexts, allocator
             times = []
             for _ in range(REPEATS):
                 _sync(device)

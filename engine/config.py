@@ -68,19 +68,19 @@ DECODE_SPLIT_ROWS = 4
 # 20-40 eager calls do, so kinds called only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
-# ---- each AR row's dense context, its lane (engine/model_runner.py, `KVLanes`)
+# ---- each AR row's context kept dense (engine/model_runner.py, `RowContexts`)
 
-# Positions reserved per AR lane: a 30 s voice prompt (375), a clause of 50 tokens and its
-# frames fit with room to spare; a longer context grows the lanes. The reservation holds at most
-# LANE_POOL_MULTIPLE times the KV pool's positions: lanes copy contexts the pool holds, and a
-# reservation past the machine's memory is refused even where pages are mapped lazily (and on a
-# GPU it is all allocated): 512 full-size rows x 1,024 positions would be 26 GB.
-LANE_POSITIONS = 1024
-LANE_POOL_MULTIPLE = 4
-# Positions of every lane written at start (`KVLanes.prefault`), so that the first burst of new
-# streams does not wait while their lanes' memory is faulted in: most contexts (a voice, a clause
-# and its frames) fit. Full size, 16 rows: 201 MB.
-LANE_PREFAULT_POSITIONS = 256
+# Positions reserved per AR row: a 30 s voice prompt (375), a clause of 50 tokens and its frames
+# fit with room to spare; a longer context grows the reservation. It holds at most
+# ROW_CONTEXT_POOL_MULTIPLE times the KV pool's positions: the dense contexts copy what the pool
+# holds, and a reservation past the machine's memory is refused even where pages are mapped
+# lazily (and on a GPU it is all allocated): 512 full-size rows x 1,024 positions would be 26 GB.
+ROW_CONTEXT_POSITIONS = 1024
+ROW_CONTEXT_POOL_MULTIPLE = 4
+# Positions of every row's context written at start (`RowContexts.fault_in`), so that the first
+# burst of new streams does not wait while their contexts' memory is faulted in: most contexts (a
+# voice, a clause and its frames) fit. Full size, 16 rows: 201 MB.
+ROW_CONTEXT_FAULT_IN_POSITIONS = 256
 
 # ---- admission: max_active="auto" (engine/admission.py)
 
@@ -165,15 +165,15 @@ class EngineConfig:
     # (bench/results/cpu-2core-epyc-avx512-burst-parts-ab/).
     max_decode_row_frames: int = 64
     # Calls of one shape after which the CPU decoder replays it as a TorchScript trace, which
-    # does not hold the GIL the AR thread needs (engine/models/pocket/traces.py); None: eager.
+    # does not hold the GIL the AR thread needs (engine/kernels/traces.py); None: eager.
     decoder_trace_after: int | None = TRACE_AFTER_CALLS
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
     keep_freed_memory: bool = True
     # On a CPU, an AR step attends through a C++ torch operator built for this machine at start
-    # (engine/models/pocket/lane_ops.py): about half the time of torch's batched products at
+    # (engine/kernels/row_attention.py): about half the time of torch's batched products at
     # 16 rows. The decoder's ELU, GELU and attention run as C++ torch operators built likewise
-    # (engine/models/pocket/decoder_ops.py): ~11% of a full-size decode call. Where nothing
+    # (engine/kernels/decoder_ops.py): ~11% of a full-size decode call. Where nothing
     # builds, or False, torch runs them; the two paths agree to ~1e-6.
     native_kernels: bool = True
     default_chain_frames: int = 4

@@ -17,12 +17,12 @@ from typing import Protocol
 
 import torch
 
+from intone.engine.kernels.cpu_decoder import ROWS
 from intone.engine.models.pocket.conv import State
-from intone.engine.models.pocket.gemm_decoder import ROWS
 
 
 class Decoder(Protocol):
-    """What decodes latents with explicit per-row state: `Mimi` itself, or its `GemmDecoder`."""
+    """What decodes latents with explicit per-row state: `Mimi` itself, or its `CpuDecoder`."""
 
     def init_decoder_state(self, batch_size: int, device: torch.device | str = "cpu") -> State: ...
 

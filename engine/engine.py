@@ -196,7 +196,7 @@ class Engine:
                 "kv_pages_in_use": lambda: self.blocks.pages_in_use,
                 "kv_pages_free": lambda: len(self.blocks.free_pages),
                 "kv_pages_total": lambda: self.blocks.num_pages,
-                "kv_lanes_bytes": lambda: self.runner.lanes.nbytes,
+                "kv_row_contexts_bytes": lambda: self.runner.row_contexts.nbytes,
                 "voices_registered": lambda: len(self.scheduler.voices),
                 "voices_resident": lambda: len(self.scheduler.voices.resident),
                 "voice_pages": lambda: self.scheduler.voices.resident_pages,

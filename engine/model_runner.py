@@ -1,8 +1,8 @@
 """The tensor work of the two engine stages, on batches the schedulers formed.
 
 Each stage has two halves. `*_inputs` builds a step's inputs on the host from the requests' page
-tables and moves them to the device (for an AR step it also seats each row's context in its
-lane, `KVLanes`, copying in what the lane lacks); `*_step` is device math only: every tensor it
+tables and moves them to the device (for an AR step it also keeps each row's context dense,
+`RowContexts`, copying in what its dense copy lacks); `*_step` is device math only: every tensor it
 takes lives on the model's device, it creates none on the host and reads nothing back. The host
 reads (EOS flags, audio) happen after a step, in the engine. That keeps each step free of
 data-dependent Python and of host-device mixing, the precondition for replaying it as a CUDA
@@ -25,24 +25,18 @@ import torch
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.config import (
     DECODE_SPLIT_ROWS,
-    LANE_POOL_MULTIPLE,
-    LANE_POSITIONS,
-    LANE_PREFAULT_POSITIONS,
+    ROW_CONTEXT_FAULT_IN_POSITIONS,
+    ROW_CONTEXT_POOL_MULTIPLE,
+    ROW_CONTEXT_POSITIONS,
 )
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.device import DeviceIO
-from intone.engine.models.pocket import lane_ops
+from intone.engine.kernels import row_attention
+from intone.engine.kernels.cpu_decoder import CpuDecoder, make_decoder
+from intone.engine.kernels.row_contexts import CONTEXT_RUN, RowContexts, plan_row_context_step
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.gemm_decoder import GemmDecoder, make_decoder
-from intone.engine.models.pocket.kv_cache import (
-    LANE_RUN,
-    KVLanes,
-    SequenceStep,
-    SlotAttention,
-    plan_lane_step,
-    plan_step,
-)
+from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.sequence import Request
@@ -64,16 +58,17 @@ class PrefillInputs:
 
 @dataclass
 class GenerateInputs:
-    """An AR step's inputs, rows in lane order (row i: `order[i]` of the requests, or padding)."""
+    """An AR step's inputs, rows in context order (row i: `order[i]` of the requests, or
+    padding)."""
 
     previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
     positions: torch.Tensor
-    attention: KVCache  # the engine's LaneAttention; bench/stages.py --attention also a gather
+    attention: KVCache  # the engine's RowContextAttention; bench/stages.py --attention: a gather
     noise: torch.Tensor  # [B', latent_dim]
     eos_thresholds: torch.Tensor  # [B']
     order: torch.Tensor  # [B']
     rows: int
-    back: torch.Tensor  # [rows]: the requests' order from lane order (`order`'s inverse)
+    back: torch.Tensor  # [rows]: the requests' order from context order (`order`'s inverse)
 
 
 class ModelRunner:
@@ -104,14 +99,16 @@ class ModelRunner:
         self.pool = self.flow_lm.new_kv_pool(
             (blocks.num_pages + 1) * blocks.page_size, device=device
         )
-        # Every row a step can have (bucket padding included), reserved now: see KVLanes.
+        # Every row a step can have (bucket padding included), reserved now: see RowContexts.
         rows = max([decoder_slots, *(self.batch_buckets or [])])
-        fits = LANE_POOL_MULTIPLE * self.pool.num_slots // rows // LANE_RUN * LANE_RUN
-        self.lanes = KVLanes(self.pool, rows, max(LANE_RUN, min(LANE_POSITIONS, fits)))
-        self.lanes.prefault(LANE_PREFAULT_POSITIONS)
-        # The native decode attention reads float32 lanes in host memory; elsewhere torch attends.
-        host_lanes = device.type == "cpu" and self.pool.keys.dtype == torch.float32
-        self.native_lanes = native_kernels and host_lanes and lane_ops.load()
+        fits = ROW_CONTEXT_POOL_MULTIPLE * self.pool.num_slots // rows // CONTEXT_RUN * CONTEXT_RUN
+        capacity = max(CONTEXT_RUN, min(ROW_CONTEXT_POSITIONS, fits))
+        self.row_contexts = RowContexts(self.pool, rows, capacity)
+        self.row_contexts.fault_in(ROW_CONTEXT_FAULT_IN_POSITIONS)
+        # The native decode attention reads float32 contexts in host memory; elsewhere torch
+        # attends.
+        host_contexts = device.type == "cpu" and self.pool.keys.dtype == torch.float32
+        self.native_row_attention = native_kernels and host_contexts and row_attention.load()
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
@@ -210,13 +207,13 @@ class ModelRunner:
 
     def generate_inputs(self, requests: list[Request], noise: list[torch.Tensor]) -> GenerateInputs:
         """Inputs of one AR step; each table already holds the position this step writes. Seats
-        each request's context in a lane (`KVLanes`), copying in only what its lane lacks.
+        each request's context in a dense copy (`RowContexts`), copying in only what it lacks.
 
         With batch buckets, padding rows attend only to a scratch slot and are dropped.
         """
         steps = [SequenceStep(self.blocks.slots(r.table), 1) for r in requests if r.table]
         assert len(steps) == len(requests)
-        # A lane holds one clause's context: its page table names it.
+        # A dense context is one clause's: its page table names it.
         owners: list[object | None] = [r.table for r in requests]
         previous = torch.stack(
             [r.previous_latent for r in requests if r.previous_latent is not None]
@@ -233,11 +230,16 @@ class ModelRunner:
             noise_rows = torch.cat([noise_rows, noise_rows.new_zeros(padding, noise_rows.shape[1])])
             thresholds = torch.cat([thresholds, thresholds.new_zeros(padding)])
         key_multiple = self.blocks.page_size if self.batch_buckets else 1
-        order, positions, attention = plan_lane_step(
-            self.lanes, steps, owners, key_multiple, self.native_lanes, upload=self.io.upload
+        order, positions, attention = plan_row_context_step(
+            self.row_contexts,
+            steps,
+            owners,
+            key_multiple,
+            self.native_row_attention,
+            upload=self.io.upload,
         )
         order_t = self.io.upload(torch.tensor(order))
-        # The requests' order back from lane order, padding dropped: planned on the host.
+        # The requests' order back from context order, padding dropped: planned on the host.
         back = sorted(range(len(order)), key=order.__getitem__)[:rows]
         return GenerateInputs(
             previous.index_select(0, order_t),
@@ -348,7 +350,7 @@ class ModelRunner:
         pool rows in one run (also the kind of detached rows), and one on scattered rows, the
         kinds of state the engine decodes. Otherwise each is made in the call that reaches
         `decoder_trace_after`, a 0.1-0.4 s stall for that call's streams."""
-        if not isinstance(self.decoder, GemmDecoder) or self.decoder.traces is None:
+        if not isinstance(self.decoder, CpuDecoder) or self.decoder.traces is None:
             return
         scratch = DecoderStatePool(self.decoder, 3, self.device)
         for _ in range(3):

@@ -6,10 +6,10 @@
   bf16 (float32 activations), and on the CPU the Mimi decoder transformer's linear layers in int8.
 - "auto" (default): the fastest mix that holds the fast path's tolerance (docs/benchmarks.md) on
   this device. On a CPU: the linear layers of the FlowLM transformer and of the Mimi decoder
-  transformer in int8 (fbgemm, `models/pocket/int8.py`: 4x a float32 GEMM at decode-step row
+  transformer in int8 (fbgemm, `kernels/int8.py`: 4x a float32 GEMM at decode-step row
   counts on AVX2; the reference's `quantize=True` does the same to the FlowLM); where the CPU
   multiplies bf16 natively (AVX-512 BF16 or AMX), the flow head's linear layers in bf16
-  (`models/pocket/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);
+  (`kernels/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);
   activations, attention, the KV cache and the decoder's convolutions in float32. bf16 is not
   used for the transformers' linears: where it is emulated (AVX2) it is ~8-10x slower than
   float32, and where it is native int8 linears are still faster at decode-step row counts
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from intone.engine import device as devices
-from intone.engine.models.pocket.bf16 import bf16_linears
-from intone.engine.models.pocket.int8 import int8_linears
+from intone.engine.kernels.bf16 import bf16_linears
+from intone.engine.kernels.int8 import int8_linears
 
 if TYPE_CHECKING:
     from intone.engine.models.pocket.model import PocketTTS

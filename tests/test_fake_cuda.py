@@ -38,8 +38,8 @@ from intone.engine import Engine, EngineConfig
 from intone.engine import device as devices
 from intone.engine.checkpoint import TINY_FAMILIES
 from intone.engine.device import DeviceIO, Stage
+from intone.engine.kernels.native import load_torch_library
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.native import load_torch_library
 from intone.engine.options import GenerationOptions
 from intone.engine.voices import load_voice
 

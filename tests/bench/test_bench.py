@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from intone.engine import native
+from intone.engine.kernels import native
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,8 @@ def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_pa
 
 def test_stages_smoke(tiny_checkpoint: Path, tmp_path: Path):
     """`bench/stages.py` times both stages on the engine's own runner, and compares the AR
-    step's decode attention (lanes natively where a compiler works, in torch, a gather) on
-    the same rows."""
+    step's decode attention (dense contexts natively where a compiler works, in torch, a gather)
+    on the same rows."""
     script = [sys.executable, str(ROOT / "bench" / "stages.py"), "--model", str(tiny_checkpoint)]
     stages, attention = tmp_path / "stages.json", tmp_path / "attention.json"
     for args, out in (
@@ -81,9 +81,9 @@ def test_stages_smoke(tiny_checkpoint: Path, tmp_path: Path):
     assert [(r["threads"], r["batch"]) for r in rows] == [(1, 1), (1, 4)]
     assert all(r["ar_ms"] > 0 and r["decode_ms"] > 0 for r in rows)
     compared = json.loads(attention.read_text())["attention"]
-    variants = ("lanes-torch", "gather")
+    variants = ("dense-torch", "gather")
     if native.cxx_compiler():
-        variants = ("lanes-native", *variants)
+        variants = ("dense-native", *variants)
     assert {(r["attention"], r["context"]) for r in compared} == {
         (name, context) for name in variants for context in (10, 30)
     }

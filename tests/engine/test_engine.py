@@ -34,7 +34,7 @@ from intone.engine import (
     TextTooLongError,
     UnknownVoiceError,
 )
-from intone.engine.config import LANE_PREFAULT_POSITIONS, PUSH_PIECE_CHARS
+from intone.engine.config import PUSH_PIECE_CHARS, ROW_CONTEXT_FAULT_IN_POSITIONS
 from intone.engine.generate import fade_in, generate_latents
 from intone.engine.loading import LoadedModel
 from intone.engine.options import GenerationOptions
@@ -822,7 +822,7 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     for key in (
         "kv_pages_in_use",
         "kv_pages_total",
-        "kv_lanes_bytes",
+        "kv_row_contexts_bytes",
         "active_requests",
         "decoder_states_in_use",
         "prefill_batch_mean",
@@ -842,18 +842,19 @@ async def test_metrics_and_prometheus(make_engine) -> None:
     assert m["generate_batch_mean"] > 1.0, m
     assert m["generate_batches"] < 4 * 5, m
     assert m["requests_completed"] == 4
-    # The AR rows' lanes: reserved for every row, memory counted as far as written: every lane
-    # up to LANE_PREFAULT_POSITIONS at start, and past that as far as the rows' contexts reached
-    # (in runs of 64 positions), every layer's keys and values.
-    lanes = engine.runner.lanes
-    assert lanes.keys.shape[1] == engine.config.max_active
-    assert lanes.capacity >= max(lanes.lengths)
-    layers, _, heads, _, dim = lanes.keys.shape
-    written = sum(lanes.clean)
-    prefaulted = min(LANE_PREFAULT_POSITIONS, lanes.capacity)
-    assert min(lanes.clean) == prefaulted and max(lanes.lengths) <= max(lanes.clean)
-    assert written <= engine.config.max_active * prefaulted + 4 * 64
-    assert m["kv_lanes_bytes"] == 2 * layers * heads * dim * lanes.keys.element_size() * written
+    # The AR rows' dense contexts: reserved for every row, memory counted as far as written:
+    # every row's up to ROW_CONTEXT_FAULT_IN_POSITIONS at start, and past that as far as the rows'
+    # contexts reached (in runs of 64 positions), every layer's keys and values.
+    contexts = engine.runner.row_contexts
+    assert contexts.keys.shape[1] == engine.config.max_active
+    assert contexts.capacity >= max(contexts.lengths)
+    layers, _, heads, _, dim = contexts.keys.shape
+    written = sum(contexts.clean)
+    faulted_in = min(ROW_CONTEXT_FAULT_IN_POSITIONS, contexts.capacity)
+    assert min(contexts.clean) == faulted_in and max(contexts.lengths) <= max(contexts.clean)
+    assert written <= engine.config.max_active * faulted_in + 4 * 64
+    element = contexts.keys.element_size()
+    assert m["kv_row_contexts_bytes"] == 2 * layers * heads * dim * element * written
 
     families = {f.name: f for f in text_string_to_metric_families(engine.prometheus().decode())}
     assert "intone_kv_pages_in_use" in families

@@ -27,11 +27,12 @@ import numpy as np
 import pytest
 import torch
 
-from intone.engine import Engine, EngineConfig, GenerationOptions, native
+from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
+from intone.engine.kernels import native
+from intone.engine.kernels.bf16 import Bf16Linear
+from intone.engine.kernels.int8 import Int8Linear
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.models.pocket.bf16 import Bf16Linear
-from intone.engine.models.pocket.int8 import Int8Linear
 from intone.engine.precision import native_bf16, resolve_precision
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice, load_voice
@@ -82,9 +83,9 @@ async def compare(
         int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
         assert int8 == precision.flow_lm_int8
         assert engine.runner.decoder.int8 == precision.decoder_int8
-        # The native decode attention reads float32 lanes; the bf16 KV pool attends in torch.
-        lanes = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
-        assert engine.runner.native_lanes == lanes
+        # The native decode attention reads float32 contexts; the bf16 KV pool attends in torch.
+        native_attention = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
+        assert engine.runner.native_row_attention == native_attention
         flow_head = engine.model.flow_lm.flow_net
         bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
         assert bf16 == precision.flow_head_bf16

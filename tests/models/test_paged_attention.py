@@ -14,22 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.nn import functional as F
 
-from intone.engine import native
 from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.config import LANE_PREFAULT_POSITIONS
-from intone.engine.loading import LoadedModel, load_model
+from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import ModelRunner
-from intone.engine.models.pocket import lane_ops
-from intone.engine.models.pocket.kv_cache import (
-    KVLanes,
-    KVPool,
-    SequenceStep,
-    plan_lane_step,
-    plan_step,
-)
-from intone.engine.voices import Voice, load_voice
+from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, plan_step
+from intone.engine.voices import Voice
+
+from support.attention import PaddedGatherAttention, assert_relative, clone_pool, embeddings
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -37,10 +29,6 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 def new_pool(flow_lm, num_slots: int) -> KVPool:
     tf = flow_lm.transformer
     return KVPool(flow_lm.num_layers, num_slots, tf.num_kv_heads, tf.head_dim)
-
-
-def embeddings(n: int, dim: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
 
 
 class Contiguous:
@@ -100,19 +88,6 @@ class Paged:
 
     def kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.read(self.blocks.slots(self.tables[index]))
-
-
-@pytest.fixture(params=["torch", "native"])
-def native_lanes(request) -> bool:
-    """Each decode-through-lanes check runs both ways a step attends: torch over views of the
-    lanes, and lane_ops' operators (the engine's default on a CPU, where a C++ compiler works)."""
-    if request.param == "torch":
-        return False
-    if not lane_ops.load():
-        if native.cxx_compiler() is None:
-            pytest.skip("no C++ compiler on this machine: the engine attends in torch")
-        pytest.fail("a C++ compiler is here, but lane_ops.cpp did not build")
-    return True
 
 
 def assert_scattered(blocks: BlockManager, table: PageTable) -> None:
@@ -322,172 +297,6 @@ def test_shared_voice_prefix_and_private_copy_page(
 # ---- the attention read path against the previous implementation
 
 
-class PaddedGatherAttention:
-    """The previous read path, kept as the reference: every layer gathers each row's context
-    into a padded [G, L, H, D] copy and runs SDPA under a dense mask (block-diagonal over the
-    whole packed pass for prefill). KV heads are repeated for grouped-query attention."""
-
-    def __init__(self, pool: KVPool, steps: list[SequenceStep], key_multiple: int = 1):
-        self.pool = pool
-        lengths = [len(s.slots) for s in steps]
-        pairs = zip(steps, lengths, strict=True)
-        positions = torch.cat([torch.arange(n - s.num_new, n) for s, n in pairs])
-        self.write_slots = torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps])
-        if all(s.num_new == 1 for s in steps):
-            longest = -(-max(lengths) // key_multiple) * key_multiple
-            self.read_slots = torch.zeros(len(steps), longest, dtype=torch.long)
-            for row, s in enumerate(steps):
-                self.read_slots[row, : len(s.slots)] = s.slots
-            mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-            self.mask = mask[:, None, None, :]
-        else:
-            self.read_slots = torch.cat([s.slots for s in steps])[None, :]
-            key_seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-            key_pos = torch.cat([torch.arange(n) for n in lengths])
-            query_seq = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(steps)])
-            mask = (query_seq[:, None] == key_seq[None, :]) & (
-                key_pos[None, :] <= positions[:, None]
-            )
-            self.mask = mask[None, None]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Slot-major views [S, H, D] of the head-major pool, as the previous path read it.
-        keys, values = (
-            self.pool.keys[layer].transpose(0, 1),
-            self.pool.values[layer].transpose(0, 1),
-        )
-        keys.index_copy_(0, self.write_slots, k)
-        values.index_copy_(0, self.write_slots, v)
-        groups = self.read_slots.shape[0]
-        n, heads, dim = q.shape
-        repeat = heads // keys.shape[1]
-        q = q.view(groups, n // groups, heads, dim).transpose(1, 2)
-        k_ctx = keys[self.read_slots].repeat_interleave(repeat, dim=2).transpose(1, 2)
-        v_ctx = values[self.read_slots].repeat_interleave(repeat, dim=2).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=self.mask)
-        return out.transpose(1, 2).reshape(n, heads, dim)
-
-
-def clone_pool(pool: KVPool) -> KVPool:
-    copy = KVPool.__new__(KVPool)
-    copy.keys, copy.values = pool.keys.clone(), pool.values.clone()
-    return copy
-
-
-def assert_relative(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5) -> None:
-    error = float((got - want).norm() / want.norm())
-    assert error <= rtol, f"relative error {error:.2e}"
-
-
-@torch.no_grad()
-def check_step(
-    flow_lm, pool: KVPool, steps: list[SequenceStep], x: torch.Tensor, key_multiple: int = 1
-) -> None:
-    """The backbone through plan_step equals it through the previous path, and both write the
-    same keys and values; the pool then holds the step (as the engine's would)."""
-    old_pool = clone_pool(pool)
-    positions, attention = plan_step(pool, steps, key_multiple)
-    got = flow_lm.backbone(x, positions, attention)
-    want = flow_lm.backbone(x, positions, PaddedGatherAttention(old_pool, steps, key_multiple))
-    assert_relative(got, want)
-    assert_relative(pool.keys, old_pool.keys)
-    assert_relative(pool.values, old_pool.values)
-
-
-@torch.no_grad()
-def check_lane_step(
-    flow_lm,
-    lanes: KVLanes,
-    steps: list[SequenceStep],
-    owners: list[object | None],
-    x: torch.Tensor,
-    key_multiple: int = 1,
-    native: bool = False,
-) -> None:
-    """A decode step through the lanes equals it through the previous path, row for row, and
-    writes the same keys and values to the pool. Padding rows (owner None) are dropped: in
-    the previous path they all read the one scratch slot, whoever wrote it last."""
-    old_pool = clone_pool(lanes.pool)
-    order, positions, attention = plan_lane_step(lanes, steps, owners, key_multiple, native)
-    got = flow_lm.backbone(x[order], positions, attention)
-    old_positions = torch.tensor([len(s.slots) - 1 for s in steps])
-    want = flow_lm.backbone(x, old_positions, PaddedGatherAttention(old_pool, steps, key_multiple))
-    rows = [lane for lane, row in enumerate(order) if owners[row] is not None]
-    assert_relative(got[rows], want[[order[lane] for lane in rows]])
-    assert_relative(lanes.pool.keys, old_pool.keys)
-    assert_relative(lanes.pool.values, old_pool.values)
-
-
-@pytest.mark.parametrize("checkpoint", ["tiny", "full"])
-def test_attention_equals_previous_path(
-    checkpoint: str,
-    tiny_model: LoadedModel,
-    tiny_voice: Voice,
-    native_lanes: bool,
-    request,
-) -> None:
-    """Shared voice pages with a private copy of the partial last page, packed prefill of mixed
-    lengths, then decode steps of changing membership, exact and page-rounded (bucket) keys."""
-    if checkpoint == "full":
-        full = request.getfixturevalue("full_checkpoint")
-        model = load_model(full).model
-        voice = load_voice(model, "default", full / "voices" / "default.wav")
-    else:
-        model, voice = tiny_model.model, tiny_voice
-    flow_lm = model.flow_lm
-    page_size = 8
-    blocks = BlockManager(160, page_size)
-    random.Random(7).shuffle(blocks.free_pages)
-    runner = ModelRunner(model, blocks, 2, 1, torch.device("cpu"))
-    voice_table = blocks.allocate(voice.length)
-    runner.write_voice(voice_table, voice)
-    lengths = [3, 17, 8, 1] if checkpoint == "tiny" else [5, 12]
-    decode_steps = 6
-    tables = []
-    for n in lengths:
-        table, partial = blocks.share(voice_table)
-        assert blocks.reserve(
-            table, voice.length + n + decode_steps, copy_partial=partial is not None
-        )
-        if partial is not None:
-            runner.copy_page(partial, table.pages[-1], voice.length % page_size)
-        tables.append(table)
-    steps = []
-    for table, n in zip(tables, lengths, strict=True):
-        blocks.extend(table, n)
-        steps.append(SequenceStep(blocks.slots(table), n))
-    x = embeddings(sum(lengths), flow_lm.dim, seed=500)
-    check_step(flow_lm, runner.pool, steps, x)
-    # Decode steps through the lanes, as the engine runs them: rows skip steps and come back
-    # in another order (lanes move), share a step with bucket padding rows, retry after a
-    # failed step, and take a step elsewhere (their lane goes stale: they re-seat from the pool).
-    lanes = KVLanes(runner.pool)
-    scratch = SequenceStep(torch.tensor([blocks.num_pages * page_size]), 1)
-    everyone = list(range(len(tables)))
-    schedule = [everyone, [everyone[-1], 0], everyone, everyone[::-1], everyone[:1] + everyone[2:]]
-    for t, members in enumerate([*schedule, everyone]):
-        steps = []
-        for i in members:
-            blocks.extend(tables[i], 1)
-            steps.append(SequenceStep(blocks.slots(tables[i]), 1))
-        owners: list[object | None] = [tables[i] for i in members]
-        if t == 3:
-            steps, owners = steps + [scratch] * 2, owners + [None, None]
-        x = embeddings(len(steps), flow_lm.dim, seed=600 + t)
-        if t == 2:
-            # A step that fails after writing part of its position: the retry re-seats.
-            _, _, failed = plan_lane_step(lanes, steps, owners, native=native_lanes)
-            tf = flow_lm.transformer
-            k = torch.randn(len(steps), tf.num_kv_heads, tf.head_dim)
-            failed.attend(0, torch.randn(len(steps), tf.num_heads, tf.head_dim), k, k)
-        multiple = page_size if t == 3 else 1
-        check_lane_step(flow_lm, lanes, steps, owners, x, multiple, native_lanes)
-        if t == 4:
-            blocks.extend(tables[1], 1)
-            x = embeddings(1, flow_lm.dim, seed=700)
-            check_step(flow_lm, runner.pool, [SequenceStep(blocks.slots(tables[1]), 1)], x)
-
-
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 @torch.no_grad()
 def test_grouped_query_attention_equals_repeated_kv_heads(kv_heads: int) -> None:
@@ -513,83 +322,3 @@ def test_grouped_query_attention_equals_repeated_kv_heads(kv_heads: int) -> None
             assert got.shape == (total, heads, dim)
             assert_relative(got, want)
             assert torch.equal(pool.keys, old_pool.keys)
-
-
-@pytest.mark.parametrize("kv_heads", [1, 2, 8])
-@torch.no_grad()
-def test_lanes_with_grouped_query_attention(kv_heads: int, native_lanes: bool) -> None:
-    """Decode through the lanes with fewer KV heads than query heads equals the previous path."""
-    heads, dim, layers = 8, 16, 2
-    gen = torch.Generator().manual_seed(10 + kv_heads)
-    pool = KVPool(layers, 96, kv_heads, dim)
-    pool.keys.normal_(generator=gen)
-    pool.values.normal_(generator=gen)
-    order = torch.randperm(96, generator=gen)
-    steps = [
-        SequenceStep(order[a : a + n], 1) for a, n in zip([0, 30, 70], [9, 30, 2], strict=True)
-    ]
-    lanes = KVLanes(pool)
-    for layer in range(layers):
-        q = torch.randn(len(steps), heads, dim, generator=gen)
-        k, v = torch.randn(2, len(steps), kv_heads, dim, generator=gen)
-        old_pool = clone_pool(pool)
-        rows, _, attention = plan_lane_step(lanes, steps, list(steps), native=native_lanes)
-        got = attention.attend(layer, q[rows], k[rows], v[rows])
-        want = PaddedGatherAttention(old_pool, steps).attend(layer, q, k, v)
-        assert_relative(got, want[rows])
-        assert torch.equal(pool.keys, old_pool.keys)
-
-
-@torch.no_grad()
-def test_reserved_lanes_stay_put_and_hide_memory_never_written(
-    native_lanes: bool,
-) -> None:
-    """Lanes reserved for every row do not move when a step has more rows or longer contexts
-    than any before (a move zeroed and copied every lane while the step waited); memory of the
-    reservation never written (here NaN) is zeroed before a step reads it; a context past the
-    reservation grows it and still equals the previous path."""
-    heads, dim, layers = 4, 16, 2
-    gen = torch.Generator().manual_seed(3)
-    pool = KVPool(layers, 400, 2, dim)
-    pool.keys.normal_(generator=gen)
-    pool.values.normal_(generator=gen)
-    lanes = KVLanes(pool, rows=4, capacity=128)
-    lanes.keys.fill_(float("nan"))
-    lanes.values.fill_(float("nan"))
-    reserved = lanes.keys.data_ptr()
-    order = torch.randperm(400, generator=gen)
-
-    def step(lengths: list[int]) -> None:
-        steps = [SequenceStep(order[i * 80 : i * 80 + n], 1) for i, n in enumerate(lengths)]
-        q = torch.randn(len(steps), heads, dim, generator=gen)
-        k, v = torch.randn(2, len(steps), 2, dim, generator=gen)
-        old_pool = clone_pool(pool)
-        rows, _, attention = plan_lane_step(lanes, steps, list(steps), native=native_lanes)
-        got = attention.attend(0, q[rows], k[rows], v[rows])
-        want = PaddedGatherAttention(old_pool, steps).attend(0, q, k, v)
-        assert torch.isfinite(got).all()
-        assert_relative(got, want[rows])
-
-    step([5])
-    step([9, 70, 3, 40])  # more rows, longer contexts: same memory
-    assert lanes.keys.data_ptr() == reserved and lanes.capacity == 128
-    # A step reads every lane as far as its longest row (71 positions): zeroed in runs of 64.
-    assert lanes.clean == [128] * 4 and lanes.nbytes == 2 * 2 * layers * dim * 4 * 512
-    step([12, 150])  # past the reservation: it grows, once, to twice the positions
-    assert lanes.capacity == 256 and lanes.keys.shape[1] == 4
-
-
-@pytest.mark.parametrize(("rows", "capacity"), [(2, 1024), (64, 64)])
-def test_the_lanes_reservation_is_bounded_by_the_pool(
-    tiny_model: LoadedModel, rows: int, capacity: int
-) -> None:
-    """Every row is reserved LANE_POSITIONS positions, unless that passes LANE_POOL_MULTIPLE
-    times the pool's positions (a reservation past the machine's memory is refused): then
-    fewer, in runs of 64."""
-    blocks = BlockManager(160, 8)  # 1,288 pool positions with the scratch page
-    runner = ModelRunner(tiny_model.model, blocks, rows, 1, torch.device("cpu"))
-    assert runner.lanes.keys.shape[1] == rows and runner.lanes.capacity == capacity
-    # Written (faulted in) at start as far as LANE_PREFAULT_POSITIONS, or the whole capacity.
-    assert runner.lanes.clean == [min(capacity, LANE_PREFAULT_POSITIONS)] * rows
-    assert not runner.lanes.keys[:, :, :, : runner.lanes.clean[0]].any()
-    runner.close()

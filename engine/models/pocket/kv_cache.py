@@ -13,20 +13,18 @@ num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_head
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-from intone.engine.models.pocket import lane_ops
 
 
 class KVPool:
     """Keys and values of the attention's key/value heads, stored head-major:
     [layers, kv_heads, slots, head_dim].
 
-    Head-major because its reads (a prefill's context, a row's context copied into its lane)
-    are one `index_select` per layer straight into the [kv_heads, length, head_dim] layout the
-    batched matmuls take: measured on one CPU core (16 rows x 150 positions, 16 heads of 64),
+    Head-major because its reads (a prefill's context, a decode row's whole context) are one
+    `index_select` per layer straight into the [kv_heads, length, head_dim] layout the batched
+    matmuls take: measured on one CPU core (16 rows x 150 positions, 16 heads of 64),
     1.3 ms per gather, against 8.3 ms for advanced indexing into a slot-major pool and 2.3 ms
     for a slot-major gather plus transpose.
     `write`/`read` take and give the slot-major [layers, n, kv_heads, head_dim] of a voice."""
@@ -77,149 +75,6 @@ class KVPool:
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values at slots [n], head-major: [H, n, D]."""
         return self.keys[layer].index_select(1, slots), self.values[layer].index_select(1, slots)
-
-
-LANE_RUN = 64
-
-
-class KVLanes:
-    """Each row of a decode batch's context as one dense run:
-    [layers, lanes, kv_heads, capacity, head_dim] for keys and for values.
-
-    A decode step reads every row's whole context in every layer. Gathered from the pool's
-    scattered slots, that was a padded copy per layer per step, which cost 3-4x the attention
-    itself (16 rows x 150 positions, 16 heads of 64, one core: 4.3 ms a layer gathered, 1.1 ms
-    read in place). Here row i of a step sits in lane i, so a step reads `[:rows, :, :length]`
-    of a layer as a view. A row's context is copied in from the pool once, when it takes a lane;
-    after that each step appends its one position. The pool gets every position as well and stays
-    the record: a row whose lane went to another re-seats from it.
-
-    The lanes are reserved once, `rows` lanes of `capacity` positions, and do not move: grown
-    on demand, every lane was zeroed and copied while the step waited (64 rows of the 2M model,
-    2 cores: 140-210 ms, in the first step of a burst of new streams, which ran the streams
-    already playing dry). The reservation is `torch.empty`: on a CPU its pages take memory only
-    once written, and a lane is zeroed only as far as a step reads it (`clean`), so memory is
-    what the rows' contexts reach, `nbytes`. A step past the reservation still grows it.
-    """
-
-    def __init__(self, pool: KVPool, rows: int = 0, capacity: int = 0):
-        self.pool = pool
-        layers, heads, _, dim = pool.keys.shape
-        shape = (layers, rows, heads, _rounded(capacity), dim)
-        self.keys = pool.keys.new_empty(shape)
-        self.values = pool.values.new_empty(shape)
-        self.owners: list[object | None] = [None] * rows  # whose context each lane holds
-        self.lengths: list[int] = [0] * rows  # positions the lane holds once its step is done
-        self.clean: list[int] = [0] * rows  # positions of the lane written or zeroed
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the lanes' written positions take (the rest of the reservation takes none
-        on a CPU until a step reads that far)."""
-        return self.pool.slot_bytes * sum(self.clean)
-
-    def seat(
-        self, histories: list[torch.Tensor], owners: list[object | None], length: int
-    ) -> list[int]:
-        """Seat row r, whose context before this step is at pool slots `histories[r]`, in one
-        of lanes 0 .. rows - 1, lanes at least `length` long. `owners[r]` identifies the context
-        (None: a padding row with none). Rows keep the lane they held if it is in range and up
-        to date; the others move from a lane out of range or fill from the pool. Returns the
-        rows in lane order."""
-        rows = len(histories)
-        self._grow(rows, length)
-        held = {id(owner): lane for lane, owner in enumerate(self.owners) if owner is not None}
-
-        def current(row: int) -> int | None:
-            lane = held.get(id(owners[row])) if owners[row] is not None else None
-            return lane if lane is not None and self.lengths[lane] == len(histories[row]) else None
-
-        lane_of = [
-            lane if (lane := current(r)) is not None and lane < rows else None for r in range(rows)
-        ]
-        free = iter(sorted(set(range(rows)) - set(lane_of)))
-        for row in range(rows):
-            if lane_of[row] is not None:
-                continue
-            lane = lane_of[row] = next(free)
-            n = len(histories[row])
-            source = current(row)
-            if source is not None:  # a lane out of range: nobody writes it in this seating
-                self.keys[:, lane, :, :n] = self.keys[:, source, :, :n]
-                self.values[:, lane, :, :n] = self.values[:, source, :, :n]
-            elif n:
-                self.keys[:, lane, :, :n] = self.pool.keys.index_select(2, histories[row])
-                self.values[:, lane, :, :n] = self.pool.values.index_select(2, histories[row])
-            self.clean[lane] = max(self.clean[lane], n)
-        seated = {id(owner) for owner in owners if owner is not None}
-        self.owners = [None if id(owner) in seated else owner for owner in self.owners]
-        for row, lane in enumerate(lane_of):
-            self.owners[lane] = owners[row]
-            # Counted as if the step succeeds: after a failed one the lengths disagree with the
-            # retry's history, so the retry re-seats from the pool.
-            self.lengths[lane] = len(histories[row]) + 1
-        self._zero_up_to(rows, length)
-        return sorted(range(rows), key=lane_of.__getitem__)
-
-    def prefault(self, positions: int) -> None:
-        """Write (zero) every lane up to `positions` now. A lane's first seating otherwise
-        page-faults its memory in while the step waits: 16 full-size rows of 300 positions
-        seated into fresh lanes took 155 ms on one core, into lanes written before 47-58 ms, and
-        a burst of 16 new streams at once waited that long for its second frame."""
-        self._zero_up_to(len(self.owners), positions)
-
-    def _zero_up_to(self, rows: int, length: int) -> None:
-        """Lanes 0 .. rows - 1 hold finite values up to `length`: a step reads that far in
-        every lane and masks what is not the row's own, but a mask cannot hide a NaN of memory
-        never written. Zeroed in runs of `_rounded` positions, once per lane and run."""
-        for lane in range(rows):
-            if self.clean[lane] < length:
-                end = min(_rounded(length), self.capacity)
-                self.keys[:, lane, :, self.clean[lane] : end] = 0
-                self.values[:, lane, :, self.clean[lane] : end] = 0
-                self.clean[lane] = end
-
-    def store(
-        self,
-        layer: int,
-        lanes: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Store new keys/values [rows, kv_heads, D] at positions[i] of lane lanes[i]."""
-        self.keys[layer, lanes, :, positions] = k
-        self.values[layer, lanes, :, positions] = v
-
-    def context(self, layer: int, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of lanes 0 .. rows - 1, positions 0 .. length - 1: [rows, kv_heads, length, D]."""
-        return self.keys[layer, :rows, :, :length], self.values[layer, :rows, :, :length]
-
-    def _grow(self, rows: int, length: int) -> None:
-        """Past the reservation: more lanes, or twice the positions (a copy of every lane)."""
-        lanes, capacity = self.keys.shape[1], self.capacity
-        if rows <= lanes and length <= capacity:
-            return
-        layers, _, heads, _, dim = self.keys.shape
-        grown_capacity = capacity if length <= capacity else max(_rounded(length), 2 * capacity)
-        shape = (layers, max(rows, lanes), heads, grown_capacity, dim)
-        for name in ("keys", "values"):
-            grown = self.keys.new_empty(shape)
-            grown[:, :lanes, :, :capacity] = getattr(self, name)
-            setattr(self, name, grown)
-        added = shape[1] - lanes
-        self.owners += [None] * added
-        self.lengths += [0] * added
-        self.clean += [0] * added
-
-
-def _rounded(length: int) -> int:
-    """Positions in runs of 64: lanes are zeroed, and grow, a run at a time."""
-    return -(-length // LANE_RUN) * LANE_RUN
 
 
 @dataclass
@@ -363,90 +218,3 @@ def plan_step(
 
 def _to(device: torch.device) -> Upload:
     return lambda tensor: tensor.to(device)
-
-
-@dataclass
-class LaneAttention:
-    """Attention for a decode step through `KVLanes` (implements `KVCache`): row i is lane i.
-
-    Each layer writes the rows' new keys/values to the pool and to their lanes, then attends
-    over the lanes, the query heads of a group sharing their KV head, softmax in float32
-    whatever the KV dtype: with `native`, through lane_ops' operators (each row up to its own
-    length), else in torch over views of the lanes, `length` positions each, masked by `bias`.
-    """
-
-    pool: KVPool
-    lanes: KVLanes
-    write_slots: torch.Tensor  # [B]: each row's new position in the pool
-    rows: torch.Tensor  # [B]: 0 .. B - 1, row i's lane, made once for every layer
-    positions: torch.Tensor  # [B]: the same position in the row's lane
-    length: int  # keys read per row: the longest row, maybe rounded up
-    bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
-    lengths: torch.Tensor  # [B] (int64): keys row i reads, its own position included
-    native: bool = False
-    # With `native`: where each row's new position starts in a layer of the pool and of the
-    # lanes, in elements.
-    pool_offsets: torch.Tensor = field(init=False)
-    lane_offsets: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.native:
-            dim = self.pool.keys.shape[-1]
-            self.pool_offsets = (self.write_slots * dim).contiguous()
-            lane_stride = self.lanes.keys.stride(1)
-            self.lane_offsets = (self.rows * lane_stride + self.positions * dim).contiguous()
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            keys, values = self.lanes.keys[layer], self.lanes.values[layer]
-            for new, pool, lanes in ((k, self.pool.keys, keys), (v, self.pool.values, values)):
-                lane_ops.store(new, pool[layer], self.pool_offsets)
-                lane_ops.store(new, lanes, self.lane_offsets)
-            return lane_ops.attend(q, keys, values, self.lengths)
-        self.pool.store(layer, self.write_slots, k, v)
-        self.lanes.store(layer, self.rows, self.positions, k, v)
-        rows, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        keys, values = self.lanes.context(layer, rows, self.length)
-        q = q.view(rows, kv_heads, heads // kv_heads, dim)
-        scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).float() + self.bias
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        return torch.matmul(probs, values).view(rows, heads, dim)
-
-
-def plan_lane_step(
-    lanes: KVLanes,
-    steps: list[SequenceStep],
-    owners: list[object | None],
-    key_multiple: int = 1,
-    native: bool = False,
-    upload: Upload | None = None,
-) -> tuple[list[int], torch.Tensor, LaneAttention]:
-    """(order, positions [B], attention) for a decode step (one new position per sequence)
-    through `lanes`. The step runs its rows in `order` (order[i]: the step in lane i), so its
-    inputs and outputs are in that order; `owners` as in `KVLanes.seat`; `native`: attend
-    through lane_ops' operators (loaded, lanes in float32 on the CPU only); `upload` as in
-    `plan_step`."""
-    assert all(s.num_new == 1 for s in steps)
-    device = lanes.pool.keys.device
-    to_device = upload or _to(device)
-    longest = -(-max(len(s.slots) for s in steps) // key_multiple) * key_multiple
-    order = lanes.seat([to_device(s.slots[:-1]) for s in steps], owners, longest)
-    steps = [steps[i] for i in order]
-    lengths = torch.tensor([len(s.slots) for s in steps])
-    positions = lengths - 1
-    visible = torch.arange(longest)[None, :] < lengths[:, None]
-    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    device_positions = to_device(positions)
-    attention = LaneAttention(
-        lanes.pool,
-        lanes,
-        to_device(torch.cat([s.slots[-1:] for s in steps])),
-        torch.arange(len(steps), device=device),
-        device_positions,
-        longest,
-        to_device(bias[:, None, None]),
-        to_device(lengths),
-        native,
-    )
-    return order, device_positions, attention

@@ -219,7 +219,7 @@ class ConvTrUpsample1d(nn.Module):
 
 
 class Mimi(nn.Module):
-    # State entries a state pool may leave in place (see GemmDecoder); none here.
+    # State entries a state pool may leave in place (see engine/kernels/cpu_decoder.py); none here.
     in_place_state: frozenset[str] = frozenset()
 
     def __init__(self, cfg: MimiConfig):

@@ -127,7 +127,7 @@ class TransformerLayer(nn.Module):
             self.layer_scale_1 = LayerScale(d_model, layer_scale)
             self.layer_scale_2 = LayerScale(d_model, layer_scale)
         # The feed-forward activation: an owner may swap in a faster kernel of the same function
-        # (the CPU decoder's copy does: gemm_decoder.py).
+        # (the CPU decoder's copy does: engine/kernels/cpu_decoder.py).
         self.activation: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh
 
     def forward(
@@ -166,7 +166,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of its activations (its linears may be int8: models/pocket/int8.py)."""
+        """The dtype of its activations (its linears may be int8: engine/kernels/int8.py)."""
         return self.layers[0].norm1.weight.dtype
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:

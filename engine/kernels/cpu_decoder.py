@@ -1,4 +1,5 @@
-"""Mimi's streaming decoder as plain matrix products on time-major activations.
+"""The engine's Mimi decoder on a CPU: Mimi's streaming decoder as plain matrix products on
+time-major activations.
 
 `Mimi.decode` runs the decoder as the checkpoint defines it: channels-first convolutions whose
 histories are concatenated in front of every call. On a CPU at decode-step sizes (a few frames
@@ -6,7 +7,7 @@ per row, up to 16 rows) that costs as much in layout work as in arithmetic: oneD
 activations and weights of every convolution on every call, each history concatenation copies the
 whole activation, and the transposed convolutions run a slow generic kernel.
 
-`GemmDecoder` computes the same function on [B, T, C] activations with its weights laid out once
+`CpuDecoder` computes the same function on [B, T, C] activations with its weights laid out once
 for GEMMs:
 - a convolution is K accumulated GEMMs over row-shifted views of the flattened [B * (h + T), C]
   input (rows that would straddle two batch rows are computed and dropped), so no im2col copy;
@@ -31,9 +32,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from intone.engine.models.pocket import decoder_ops, traces
+from intone.engine.kernels import decoder_ops, traces
+from intone.engine.kernels.int8 import int8_linears
 from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
-from intone.engine.models.pocket.int8 import int8_linears
 from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
 
 logger = logging.getLogger(__name__)
@@ -108,9 +109,9 @@ class _Conv:
     def of(cls, module: StreamingConv1d, elu: bool, native: bool) -> _Conv:
         conv = module.conv
         if conv.groups != 1 or conv.stride[0] != 1 or module.pad_mode != "constant":
-            raise ValueError("GemmDecoder supports ungrouped stride-1 zero-padded convolutions")
+            raise ValueError("CpuDecoder supports ungrouped stride-1 zero-padded convolutions")
         if module.history != (conv.kernel_size[0] - 1) * conv.dilation[0]:
-            raise ValueError("GemmDecoder supports causal convolutions")
+            raise ValueError("CpuDecoder supports causal convolutions")
         weights = conv.weight.detach().permute(2, 1, 0).contiguous()
         bias = None if conv.bias is None else conv.bias.detach().clone()
         tile = winograd_tile(conv.in_channels, conv.out_channels)
@@ -186,7 +187,7 @@ class _ConvTranspose:
         convtr = module.convtr
         kernel, stride = convtr.kernel_size[0], convtr.stride[0]
         if kernel != 2 * stride:
-            raise ValueError("GemmDecoder supports transposed convolutions with kernel 2 * stride")
+            raise ValueError("CpuDecoder supports transposed convolutions with kernel 2 * stride")
         self.stride = stride
         self.out_channels = convtr.out_channels
         weight = convtr.weight.detach()  # [Cin, Cout / groups, K]
@@ -197,7 +198,7 @@ class _ConvTranspose:
         self.depthwise = convtr.groups > 1
         if self.depthwise:
             if not (convtr.groups == convtr.in_channels == convtr.out_channels):
-                raise ValueError("GemmDecoder supports dense or depthwise transposed convolutions")
+                raise ValueError("CpuDecoder supports dense or depthwise transposed convolutions")
             weights = torch.stack([tap[:, 0].t() for tap in taps])  # [2, stride, C]
         else:
             cin = weight.shape[0]
@@ -236,7 +237,7 @@ class _ResBlock:
             and isinstance(layers[2], nn.ELU)
             and all(isinstance(m, StreamingConv1d) for m in layers[1::2])
         ):
-            raise ValueError("GemmDecoder supports ELU-conv-ELU-conv residual blocks")
+            raise ValueError("CpuDecoder supports ELU-conv-ELU-conv residual blocks")
         self.convs = [_Conv.of(layers[1], True, native), _Conv.of(layers[3], True, native)]
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
@@ -281,7 +282,7 @@ class RingKV:
     With `state[ROWS]`, the ring entries of `state` are a whole pool of rows and ROWS says which
     rows this batch is: the new keys go straight into the pool and attention gathers the rows'
     rings once, instead of the caller gathering them before and scattering them back after.
-    (`GemmDecoder` hands a batch whose rows are one ascending run over as views of the pool
+    (`CpuDecoder` hands a batch whose rows are one ascending run over as views of the pool
     instead, without ROWS: nothing to gather.)
     A call that fails after writing leaves keys at positions its row has not reached (its offset
     did not advance): a query never sees a later position, and the row's next call overwrites
@@ -336,7 +337,7 @@ class RingKV:
         return out.transpose(1, 2)
 
 
-class GemmDecoder:
+class CpuDecoder:
     """The decoder of a float32 `Mimi`, computed as GEMMs; equal to `Mimi.decode` up to rounding.
 
     A call decodes at most `max_frames` frames per row at once (the ring's size depends on it);
@@ -361,7 +362,7 @@ class GemmDecoder:
         native_ops: bool = False,
     ):
         if mimi.quantizer.output_proj.kernel_size[0] != 1:
-            raise ValueError("GemmDecoder needs a 1x1 quantizer output projection")
+            raise ValueError("CpuDecoder needs a 1x1 quantizer output projection")
         self.samples_per_frame = mimi.samples_per_frame
         self.max_frames = max_frames
         layers = range(len(mimi.decoder_transformer.transformer.layers))
@@ -396,10 +397,10 @@ class GemmDecoder:
                 self.layers.append(_ConvTranspose(module, elu, self.native))
             elif isinstance(module, SEANetResnetBlock):
                 if elu:
-                    raise ValueError("GemmDecoder: an ELU in front of a residual block")
+                    raise ValueError("CpuDecoder: an ELU in front of a residual block")
                 self.layers.append(_ResBlock(module, self.native))
             else:
-                raise ValueError(f"GemmDecoder: unsupported decoder layer {type(module).__name__}")
+                raise ValueError(f"CpuDecoder: unsupported decoder layer {type(module).__name__}")
             elu = False
         self.seanet_keys = [
             key for layer in self.layers for key in layer.init_state(1, torch.device("meta"))
@@ -517,8 +518,8 @@ def make_decoder(
     int8: bool = False,
     trace_after: int | None = None,
     native_ops: bool = True,
-) -> Mimi | GemmDecoder:
-    """The engine's decoder: `GemmDecoder` on the CPU (float32, or int8 transformer linears;
+) -> Mimi | CpuDecoder:
+    """The engine's decoder: `CpuDecoder` on the CPU (float32, or int8 transformer linears;
     traced from `trace_after` calls of a shape on, where this torch can; with `native_ops`,
     decoder_ops' operators where they build), `Mimi` itself elsewhere (cuDNN convolutions)."""
     if device.type != "cpu":
@@ -526,7 +527,7 @@ def make_decoder(
     if not traces.available():
         trace_after = None
     try:
-        return GemmDecoder(mimi, int8=int8, trace_after=trace_after, native_ops=native_ops)
+        return CpuDecoder(mimi, int8=int8, trace_after=trace_after, native_ops=native_ops)
     except ValueError as e:
-        logger.warning("Mimi decoder layout not supported by GemmDecoder (%s): eager path", e)
+        logger.warning("Mimi decoder layout not supported by CpuDecoder (%s): eager path", e)
         return mimi

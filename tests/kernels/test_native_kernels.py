@@ -1,7 +1,8 @@
-"""Native operators built on this machine (engine/native.py) and the decode attention over the
-lanes as torch operators (engine/models/pocket/lane_ops.py): the cache, the fallback to torch
-where nothing builds, and the checks that keep a bad call from reading past the lanes. That the
-operators equal the torch path is tests/models/test_paged_attention.py's `native_lanes` cases."""
+"""Native operators built on this machine (engine/kernels/native.py) and the decode attention over
+each AR row's dense context as torch operators (engine/kernels/row_attention.py): the cache, the
+fallback to torch where nothing builds, and the checks that keep a bad call from reading past the
+contexts. That the operators equal the torch path is tests/kernels/test_row_contexts.py's
+`native_attention` cases."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from intone.engine import Engine, EngineConfig, native
+from intone.engine import Engine, EngineConfig
+from intone.engine.kernels import decoder_ops, native, row_attention
 from intone.engine.loading import load_model
-from intone.engine.models.pocket import decoder_ops, lane_ops
 
 needs_compiler = pytest.mark.skipif(
     native.cxx_compiler() is None, reason="no C++ compiler on this machine: torch runs instead"
@@ -65,7 +66,7 @@ def test_no_compiler_means_torch(
     kernel_cache: Path, tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="intone.engine.kernels.native"):
         assert not native.load_torch_library(*small_library(tmp_path, "src"))
     assert "runs in torch" in caplog.text
     assert not kernel_cache.exists()
@@ -76,7 +77,7 @@ def test_a_source_that_does_not_compile_means_torch(
     kernel_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     broken = small_library(tmp_path, "broken", source='extern "C" int answer(void) { return }\n')
-    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="intone.engine.kernels.native"):
         assert not native.load_torch_library(*broken)
     assert "failed to compile" in caplog.text
     assert list(kernel_cache.iterdir()) == []  # the partial outputs are gone
@@ -84,26 +85,26 @@ def test_a_source_that_does_not_compile_means_torch(
 
 @pytest.fixture(scope="module")
 def ops() -> None:
-    if not lane_ops.load():
+    if not row_attention.load():
         if native.cxx_compiler() is None:
             pytest.skip("no C++ compiler on this machine: the engine attends in torch")
-        pytest.fail("a C++ compiler is here, but lane_ops.cpp did not build")
+        pytest.fail("a C++ compiler is here, but row_attention.cpp did not build")
 
 
-def lanes(rows: int = 3, heads: int = 2, capacity: int = 8, dim: int = 16):
+def row_contexts(rows: int = 3, heads: int = 2, capacity: int = 8, dim: int = 16):
     keys = torch.randn(rows, heads, capacity, dim)
     return keys, torch.randn_like(keys)
 
 
 def test_the_kernel_reads_no_further_than_each_row(ops: None) -> None:
     """Positions past a row's length are never read: NaN there changes nothing."""
-    keys, values = lanes()
+    keys, values = row_contexts()
     q = torch.randn(3, 4, 16)
     lengths = torch.tensor([1, 5, 8])
-    clean = lane_ops.attend(q, keys, values, lengths)
+    clean = row_attention.attend(q, keys, values, lengths)
     for row, n in enumerate(lengths.tolist()):
         keys[row, :, n:] = values[row, :, n:] = float("nan")
-    assert torch.equal(lane_ops.attend(q, keys, values, lengths), clean)
+    assert torch.equal(row_attention.attend(q, keys, values, lengths), clean)
     assert torch.isfinite(clean).all()
     # One position: the output is that position's value, whatever the query.
     torch.testing.assert_close(clean[0].view(2, 2, 16), values[0, :, :1].expand(2, 2, 16))
@@ -113,7 +114,7 @@ def test_the_kernel_reads_no_further_than_each_row(ops: None) -> None:
     ("lengths", "error"),
     [
         (torch.tensor([1, 0, 3]), ValueError),  # a row reads at least its own position
-        (torch.tensor([1, 9, 3]), ValueError),  # past the lanes' capacity
+        (torch.tensor([1, 9, 3]), ValueError),  # past the contexts' capacity
         (torch.tensor([1, 2]), ValueError),  # one length per row
         (torch.tensor([1, 2, 3], dtype=torch.int32), ValueError),
     ],
@@ -121,22 +122,22 @@ def test_the_kernel_reads_no_further_than_each_row(ops: None) -> None:
 def test_the_kernel_refuses_bounds_it_would_read_past(
     ops: None, lengths: torch.Tensor, error: type[Exception]
 ) -> None:
-    keys, values = lanes()
+    keys, values = row_contexts()
     with pytest.raises(error):
-        lane_ops.attend(torch.randn(3, 4, 16), keys, values, lengths)
+        row_attention.attend(torch.randn(3, 4, 16), keys, values, lengths)
 
 
 def test_the_kernel_refuses_other_layouts(ops: None) -> None:
-    keys, values = lanes()
+    keys, values = row_contexts()
     q, lengths = torch.randn(3, 4, 16), torch.tensor([1, 2, 3])
     with pytest.raises(TypeError):
-        lane_ops.attend(q, keys.bfloat16(), values.bfloat16(), lengths)
+        row_attention.attend(q, keys.bfloat16(), values.bfloat16(), lengths)
     with pytest.raises(ValueError):  # positions not `dim` apart
-        lane_ops.attend(q, keys.transpose(2, 3).contiguous().transpose(2, 3), values, lengths)
-    with pytest.raises(ValueError):  # more rows than lanes
-        lane_ops.attend(torch.randn(4, 4, 16), keys, values, torch.tensor([1, 2, 3, 4]))
+        row_attention.attend(q, keys.transpose(2, 3).contiguous().transpose(2, 3), values, lengths)
+    with pytest.raises(ValueError):  # more rows than contexts
+        row_attention.attend(torch.randn(4, 4, 16), keys, values, torch.tensor([1, 2, 3, 4]))
     with pytest.raises(ValueError):  # query heads not a multiple of the KV heads
-        lane_ops.attend(torch.randn(3, 3, 16), keys, values, lengths)
+        row_attention.attend(torch.randn(3, 3, 16), keys, values, lengths)
 
 
 def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
@@ -147,7 +148,7 @@ def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
         engine = Engine(loaded, EngineConfig(native_kernels=enabled))
         try:
             expected = enabled and native.cxx_compiler() is not None
-            assert engine.runner.native_lanes == expected
+            assert engine.runner.native_row_attention == expected
             assert engine.runner.decoder.native == expected
         finally:
             engine.close()
@@ -159,7 +160,7 @@ def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
 def test_store_writes_each_row_where_its_offset_says(ops: None) -> None:
     pool = torch.zeros(2, 10, 16)  # [heads, slots, D] of one layer
     new = torch.randn(3, 2, 16)
-    lane_ops.store(new, pool, torch.tensor([7, 0, 4]) * 16)
+    row_attention.store(new, pool, torch.tensor([7, 0, 4]) * 16)
     for row, slot in enumerate([7, 0, 4]):
         assert torch.equal(pool[:, slot], new[row])
     assert int((pool.abs().sum(-1) > 0).sum()) == 6
@@ -169,7 +170,7 @@ def test_store_writes_each_row_where_its_offset_says(ops: None) -> None:
 def test_store_refuses_offsets_past_its_target(ops: None, offset: int) -> None:
     pool = torch.zeros(2, 10, 16)
     with pytest.raises(ValueError):
-        lane_ops.store(torch.randn(1, 2, 16), pool, torch.tensor([offset]))
+        row_attention.store(torch.randn(1, 2, 16), pool, torch.tensor([offset]))
     assert not pool.any()
 
 
@@ -181,14 +182,14 @@ def test_a_damaged_cache_file_means_torch_and_a_rebuild(
     next start builds it again. (Built in another process: this one never loaded the file,
     which the dynamic loader would hand back again whatever the file holds now.)"""
     source, headers = small_library(tmp_path, "first")
-    build = "import sys; from pathlib import Path; from intone.engine import native; "
+    build = "import sys; from pathlib import Path; from intone.engine.kernels import native; "
     build += "native.load_torch_library(Path(sys.argv[1]), (Path(sys.argv[2]),))"
     subprocess.run(
         [sys.executable, "-c", build, str(source), str(headers[0])], check=True, timeout=120
     )
     (built,) = kernel_cache.iterdir()
     built.write_bytes(b"not a shared library")
-    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="intone.engine.kernels.native"):
         assert not native.load_torch_library(*small_library(tmp_path, "second"))
     assert "does not load" in caplog.text and not built.exists()
     assert native.load_torch_library(*small_library(tmp_path, "third"))

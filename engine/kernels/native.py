@@ -8,7 +8,7 @@ source (and the headers it shares), compiler, CPU and torch build; later starts 
 library. Where nothing builds, it returns False and the caller keeps its torch path.
 
 Why operators: torch releases the GIL around an operator called from Python, and a TorchScript
-trace records and replays them like aten's own (models/pocket/traces.py).
+trace records and replays them like aten's own (traces.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The CPU decoder's operators in C++ (engine/models/pocket/decoder_ops.cpp): each equals the
-torch path it replaces, the ring attention reads only the slots a query may see, bad calls are
-refused, and where no C++ compiler works the decoder keeps its torch path (the engine's switch,
-`native_kernels`, is tests/models/test_native_kernels.py's). That the whole decoder with them
-equals `Mimi.decode`, eager and traced, is tests/models/test_mimi.py's `native` cases."""
+"""The CPU decoder's operators in C++ (engine/kernels/decoder_ops.cpp): each equals the torch
+path it replaces, the ring attention reads only the slots a query may see, bad calls are refused,
+and where no C++ compiler works the decoder keeps its torch path (the engine's switch,
+`native_kernels`, is test_native_kernels.py's). That the whole decoder with them equals
+`Mimi.decode`, eager and traced, is test_cpu_decoder.py's `native` cases."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from intone.engine import native
+from intone.engine.kernels import decoder_ops, native
+from intone.engine.kernels.cpu_decoder import CpuDecoder, RingKV
 from intone.engine.loading import LoadedModel
-from intone.engine.models.pocket import decoder_ops
-from intone.engine.models.pocket.gemm_decoder import GemmDecoder, RingKV
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +153,7 @@ def test_the_traced_decoder_replays_the_operators(ops: None, tiny_model: LoadedM
     """A trace records the operators like aten's own (a call the tracer left out would replay
     its first output as a constant), so later traced calls equal eager ones bit for bit."""
     mimi = tiny_model.model.mimi
-    traced, eager = (GemmDecoder(mimi, native_ops=True, trace_after=t) for t in (1, None))
+    traced, eager = (CpuDecoder(mimi, native_ops=True, trace_after=t) for t in (1, None))
     assert traced.native and eager.native
     states = [decoder.init_decoder_state(2) for decoder in (traced, eager)]
     gen = torch.Generator().manual_seed(9)
@@ -176,12 +175,12 @@ def test_no_cxx_compiler_means_the_torch_decoder(
 ) -> None:
     monkeypatch.setenv("INTONE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    with caplog.at_level(logging.WARNING, logger="intone.engine.native"):
+    with caplog.at_level(logging.WARNING, logger="intone.engine.kernels.native"):
         source = copied_source(tmp_path, "src")
         assert native.load_torch_library(source, decoder_ops.HEADERS) is False
     assert "runs in torch" in caplog.text
     monkeypatch.setattr(decoder_ops, "load", lambda: False)
-    decoder = GemmDecoder(tiny_model.model.mimi, native_ops=True)
+    decoder = CpuDecoder(tiny_model.model.mimi, native_ops=True)
     assert not decoder.native
     layer = decoder.transformer.transformer.layers[0]
     assert layer.activation is not decoder_ops.gelu_tanh

@@ -1,14 +1,14 @@
 /* The CPU decoder's elementwise passes and its transformer's ring attention as torch operators:
- * engine/models/pocket/decoder_ops.py compiles this file against the installed torch's headers
- * and loads it with torch.ops.load_library.
+ * engine/kernels/decoder_ops.py compiles this file against the installed torch's headers and
+ * loads it with torch.ops.load_library.
  *
  * Why operators (as every native kernel here is): the decoder's two parts run as TorchScript
- * traces (models/pocket/traces.py), which the tracer records as a list of registered operators
- * and replays without the GIL. A foreign call (ctypes) would be left out of a trace; a
+ * traces (traces.py), which the tracer records as a list of registered operators and replays
+ * without the GIL. A foreign call (ctypes) would be left out of a trace; a
  * registered operator is recorded like aten's own.
  *
  * What each saves, per 16-row x 1-frame decode call of the full-size decoder on one core:
- * - elu_into: aten's ELU (or the five torch passes models/pocket/gemm_decoder.py used) reads and
+ * - elu_into: aten's ELU (or the five torch passes cpu_decoder.py used) reads and
  *   writes each of ~8.5 million elements five times; here once.
  * - gelu_tanh: aten's tanh-approximated GELU spends its time in a vectorised tanh; 1/(1 + e^-2z)
  *   is the same function at a third of the cost.

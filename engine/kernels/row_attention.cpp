@@ -1,11 +1,11 @@
-/* Decode attention over KVLanes, one query position per row, and the stores of a step's new keys
- * and values, as torch operators (torch.ops.intone.lane_attention, lane_store):
- * engine/models/pocket/lane_ops.py compiles this file against the installed torch's headers and
+/* Decode attention over RowContexts, one query position per row, and the stores of a step's new
+ * keys and values, as torch operators (torch.ops.intone.row_attention, row_store):
+ * engine/kernels/row_attention.py compiles this file against the installed torch's headers and
  * loads it with torch.ops.load_library, as decoder_ops.cpp is.
  *
  * Why a kernel: torch runs this step as two batched matrix-vector products per layer (one per
  * row and head: 256 of them at 16 rows, 16 heads), a softmax over padded scores and a bias add.
- * At 16 rows and 150 positions that read the lanes at a third of the memory bandwidth, and it
+ * At 16 rows and 150 positions that read the contexts at a third of the memory bandwidth, and it
  * was 42% of a full-size AR step. Here each (row, KV head) streams its keys once and its values
  * once, up to the row's own length (no padding, no mask), and the query heads of a group share
  * those reads.
@@ -100,33 +100,33 @@ void check_row_vector(const at::Tensor& t, int64_t rows, const char* name) {
                     t.scalar_type(), " ", t.sizes());
 }
 
-/* q [rows, heads, D]; one layer's lanes, keys and values [lanes >= rows, kv_heads, capacity, D],
- * float32 on the CPU, row r in lane r, positions D floats apart; lengths [rows] (int64): the
- * positions row r reads (1 .. capacity). Query head i reads KV head i / (heads / kv_heads).
- * Returns [rows, heads, D]. */
-at::Tensor lane_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                          const at::Tensor& lengths) {
+/* q [rows, heads, D]; one layer's row contexts, keys and values [contexts >= rows, kv_heads,
+ * capacity, D], float32 on the CPU, row r in context r, positions D floats apart; lengths [rows]
+ * (int64): the positions row r reads (1 .. capacity). Query head i reads KV head
+ * i / (heads / kv_heads). Returns [rows, heads, D]. */
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                         const at::Tensor& lengths) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
                        values.scalar_type() == at::kFloat,
-                   "lane_attention takes float32, not ", q.scalar_type(), "/",
+                   "row_attention takes float32, not ", q.scalar_type(), "/",
                    keys.scalar_type());
   TORCH_CHECK_VALUE(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
-                    "lane_attention runs on the CPU");
+                    "row_attention runs on the CPU");
   TORCH_CHECK_VALUE(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(),
-                    "q [rows, heads, D] and keys, values [lanes, kv_heads, capacity, D], not ",
+                    "q [rows, heads, D] and keys, values [contexts, kv_heads, capacity, D], not ",
                     q.sizes(), keys.sizes(), values.sizes());
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = keys.size(1), capacity = keys.size(2);
   TORCH_CHECK_VALUE(keys.strides() == values.strides() && keys.size(3) == dim &&
                         keys.stride(2) == dim && keys.stride(3) == 1,
-                    "lane_attention needs keys and values laid out as KVLanes keeps them");
+                    "row_attention needs keys and values laid out as RowContexts keeps them");
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0 && rows <= keys.size(0), rows,
-                    " rows of ", heads, " heads over lanes ", keys.sizes());
+                    " rows of ", heads, " heads over contexts ", keys.sizes());
   check_row_vector(lengths, rows, "lengths");
   const int64_t* length = lengths.data_ptr<int64_t>();
   int64_t longest = 1;
   for (int64_t r = 0; r < rows; r++) {
-    /* Trusted below: checked here, where a wrong one is an error, not a read past the lanes. */
+    /* Trusted below: checked here, where a wrong one is an error, not a read past the contexts. */
     TORCH_CHECK_VALUE(length[r] >= 1 && length[r] <= capacity, "lengths must lie in 1 .. ",
                       capacity, ", not ", lengths);
     longest = length[r] > longest ? length[r] : longest;
@@ -139,20 +139,20 @@ at::Tensor lane_attention(const at::Tensor& q, const at::Tensor& keys, const at:
   const float* vs = values.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t group = heads / kv_heads;
-  const int64_t lane_stride = keys.stride(0), head_stride = keys.stride(1);
+  const int64_t context_stride = keys.stride(0), head_stride = keys.stride(1);
   const float scale = (float)(1.0 / std::sqrt((double)dim));
   float* scores = scratch.data();
   for (int64_t r = 0; r < rows; r++) {
     for (int64_t h = 0; h < kv_heads; h++) {
       const int64_t first = (r * heads + h * group) * dim;
-      const int64_t lane = r * lane_stride + h * head_stride;
+      const int64_t context = r * context_stride + h * head_stride;
       /* 64: every released config's head size. */
       if (dim == 64)
-        attend_head<64>(qs + first, ks + lane, vs + lane, os + first, group, dim, length[r], scale,
-                        scores, scores + longest);
+        attend_head<64>(qs + first, ks + context, vs + context, os + first, group, dim, length[r],
+                        scale, scores, scores + longest);
       else
-        attend_head<0>(qs + first, ks + lane, vs + lane, os + first, group, dim, length[r], scale,
-                       scores, scores + longest);
+        attend_head<0>(qs + first, ks + context, vs + context, os + first, group, dim, length[r],
+                       scale, scores, scores + longest);
     }
   }
   return out;
@@ -160,14 +160,14 @@ at::Tensor lane_attention(const at::Tensor& q, const at::Tensor& keys, const at:
 
 /* target + offsets[r] + h * target.stride(-3) <- source[r, h, :] (D floats) for every row r and
  * head h: a step's new keys or values into the pool's slots of a layer ([heads, slots, D],
- * offsets: slot * D) or the rows' lanes ([lanes, heads, capacity, D]). torch's index_copy_ and
+ * offsets: slot * D) or the row contexts ([contexts, heads, capacity, D]). torch's index_copy_ and
  * index_put_ took 80 us a call for these 256 runs of 256 bytes (full size, 16 rows). */
-void lane_store(const at::Tensor& source, const at::Tensor& target, const at::Tensor& offsets) {
+void row_store(const at::Tensor& source, const at::Tensor& target, const at::Tensor& offsets) {
   TORCH_CHECK_TYPE(source.scalar_type() == at::kFloat && target.scalar_type() == at::kFloat,
-                   "lane_store takes float32, not ", source.scalar_type(), "/",
+                   "row_store takes float32, not ", source.scalar_type(), "/",
                    target.scalar_type());
   TORCH_CHECK_VALUE(source.device().is_cpu() && target.device().is_cpu(),
-                    "lane_store runs on the CPU");
+                    "row_store runs on the CPU");
   TORCH_CHECK_VALUE(source.dim() == 3 && target.dim() >= 3, "source [rows, heads, D], not ",
                     source.sizes(), " into ", target.sizes());
   const int64_t rows = source.size(0), heads = source.size(1), dim = source.size(2);
@@ -177,7 +177,7 @@ void lane_store(const at::Tensor& source, const at::Tensor& target, const at::Te
   const int64_t head_stride = target.stride(-3);
   int64_t extent = 1; /* the elements the target spans */
   for (int64_t i = 0; i < target.dim(); i++) {
-    TORCH_CHECK_VALUE(target.stride(i) >= 0, "lane_store needs non-negative strides");
+    TORCH_CHECK_VALUE(target.stride(i) >= 0, "row_store needs non-negative strides");
     extent += (target.size(i) - 1) * target.stride(i);
   }
   const int64_t* offset = offsets.data_ptr<int64_t>();
@@ -196,7 +196,7 @@ void lane_store(const at::Tensor& source, const at::Tensor& target, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(intone, m) {
-  m.def("lane_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths) -> Tensor",
-        &lane_attention);
-  m.def("lane_store(Tensor source, Tensor(a!) target, Tensor offsets) -> ()", &lane_store);
+  m.def("row_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths) -> Tensor",
+        &row_attention);
+  m.def("row_store(Tensor source, Tensor(a!) target, Tensor offsets) -> ()", &row_store);
 }

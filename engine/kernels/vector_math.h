@@ -1,5 +1,5 @@
-/* The vector math the native operators share (decoder_ops.cpp, lane_ops.cpp): GCC/Clang vector
- * types and the exp polynomial, written once. */
+/* The vector math the native operators share (decoder_ops.cpp, row_attention.cpp): GCC/Clang
+ * vector types and the exp polynomial, written once. */
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 registered as `torch.ops.intone.*`), where this machine can build them; torch's own operators
 elsewhere.
 
-Every native kernel is a torch operator (engine/native.py), and these must be: the decoder runs
+Every native kernel is a torch operator (native.py), and these must be: the decoder runs
 as TorchScript traces (traces.py), which record registered operators and replay them without the
 GIL. What each saves against the torch path: bench/results/cpu-2core-stages/README.md; why:
 `decoder_ops.cpp`.
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from intone.engine import native
+from intone.engine.kernels import native
 
 SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 HEADERS = (Path(__file__).with_name("vector_math.h"),)
