@@ -38,7 +38,7 @@ from intone.engine.config import (
     REPEATS,
 )
 from intone.engine.model_runner import ModelRunner
-from intone.engine.sequence import Request, RequestMetrics
+from intone.engine.request import Request, RequestMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from intone.engine.events import ClauseDone
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.pacing import Need, PacingPolicy
+from intone.engine.request import Phase, Request, now
 from intone.engine.scheduler import Scheduler
-from intone.engine.sequence import Phase, Request, now
 
 logger = logging.getLogger(__name__)
 

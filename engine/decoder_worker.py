@@ -63,7 +63,7 @@ from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
-from intone.engine.sequence import Request, now
+from intone.engine.request import Request, now
 
 logger = logging.getLogger(__name__)
 

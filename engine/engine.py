@@ -60,8 +60,8 @@ from intone.engine.options import ClausePlan, GenerationOptions
 from intone.engine.pacing import PacingPolicy
 from intone.engine.playback import Playback
 from intone.engine.precision import resolve_precision, serving_model
+from intone.engine.request import Clause, Request, RequestMetrics, now
 from intone.engine.scheduler import Scheduler
-from intone.engine.sequence import Clause, Request, RequestMetrics, now
 from intone.engine.stream import Stream
 from intone.engine.text import ClauseSplitter, check_text, plan_clause
 from intone.engine.thread_budget import ThreadBudget

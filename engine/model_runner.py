@@ -45,7 +45,7 @@ from intone.engine.models.pocket.kv_cache import (
 )
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
 

@@ -39,7 +39,7 @@ from intone.engine.config import (
     DUE_LEAD_SHARE,
     PacingMode,
 )
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 
 
 class Need(Enum):

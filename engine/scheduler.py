@@ -50,7 +50,7 @@ from intone.engine.config import URGENT_S
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
-from intone.engine.sequence import Phase, Request
+from intone.engine.request import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 from intone.engine.voices import Voice
 

@@ -26,7 +26,7 @@ from intone.engine.errors import (
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
 from intone.engine.loading import LoadedModel
 from intone.engine.options import ClausePlan
-from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
+from intone.engine.request import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter, check_text
 from intone.engine.timeline import Timeline
 

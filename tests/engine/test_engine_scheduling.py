@@ -30,7 +30,7 @@ from intone.engine import (
 from intone.engine.config import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.metrics import EngineMetrics
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 
 from support.engine import (
     TEXTS,
