@@ -28,7 +28,7 @@ from intone.engine.loading import LoadedModel
 from intone.engine.options import ClausePlan
 from intone.engine.request import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.text import ClauseSplitter, check_text
-from intone.engine.timeline import Timeline
+from intone.engine.word_timing import Timeline
 
 __all__ = ["AudioChunk", "ClauseDone", "Stream", "StreamHost", "WordTiming"]
 
