@@ -216,7 +216,7 @@ class Engine:
             max_batch=config.max_active,
             max_frames_per_call=config.max_decode_frames,
             max_row_frames_per_call=config.max_decode_row_frames,
-            on_released=self._decoder_released,
+            on_row_freed=self._decoder_row_freed,
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
@@ -637,15 +637,15 @@ class Engine:
 
     # ---- callbacks from the decoder worker
 
-    def _decoder_released(self, request: Request) -> None:
+    def _decoder_row_freed(self, request: Request) -> None:
         """A parked request's decoder row is free (its history saved)."""
         with self._lock:
-            self.scheduler.released(request)
+            self.scheduler.decoder_row_freed(request)
             self._lock.notify_all()
 
     def _decoder_finished(self, request: Request, item: FinishItem) -> None:
         with self._lock:
-            self.scheduler.released(request)
+            self.scheduler.decoder_row_freed(request)
             self._lock.notify_all()
         error = item.error or request.error
         self._end(request, error, silent=item.cancelled and error is None)
