@@ -45,14 +45,13 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.config import URGENT_S
+from intone.engine.block_manager import BlockManager
+from intone.engine.config import URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.request import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
-from intone.engine.voices import Voice
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
@@ -97,8 +96,31 @@ class Scheduler:
         # finds a free row.
         self.decoder_rows_to_free: set[str] = set()
         # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `finish`.
-        self.voices = voices if voices is not None else VoiceCache(blocks, self._write_voice, 0)
+        self.voices = voices if voices is not None else VoiceCache(blocks, runner, 0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, runner: ModelRunner, blocks: BlockManager, pacing: PacingPolicy
+    ) -> Scheduler:
+        """The engine's scheduler, its voices' pages within `config.voice_cache_mb`."""
+        budget = config.voice_cache_mb
+        voices = VoiceCache(
+            blocks,
+            runner,
+            page_bytes=runner.pool.slot_bytes * blocks.page_size,
+            budget_bytes=None if budget is None else int(budget * 2**20),
+        )
+        return cls(
+            runner,
+            blocks,
+            config.max_active,
+            config.max_prefill_tokens,
+            config.max_prefill_rows_near_underrun,
+            pacing,
+            config.max_rows_per_tenant,
+            voices,
+        )
 
     @property
     def active(self) -> int:
@@ -156,9 +178,6 @@ class Scheduler:
         self.decoder_rows_to_free.discard(request.id)
 
     # ---- pages
-
-    def _write_voice(self, table: PageTable, voice: Voice) -> None:
-        self.runner.write_voice(table, voice)
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages of its own one clause may need: past the voice's full, shared pages."""

@@ -169,7 +169,7 @@ async def test_an_unrecoverable_error_ends_every_stream(make_engine, where: str)
         engine.decoder._run_control_items = boom
     else:
         engine.decoder._run_control_items = leave
-    engine.cancel(streams[0].request)  # wakes both stages up
+    engine.stream_host.cancel(streams[0].request)  # wakes both stages up
     started = time.monotonic()
     results = await asyncio.wait_for(
         asyncio.gather(*[collect(s) for s in [*streams, waiting]]), FAIL_WITHIN
