@@ -24,7 +24,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -36,9 +36,11 @@ from intone.engine.config import (
     PROBE_ROWS,
     PROBE_STEPS,
     REPEATS,
+    EngineConfig,
 )
 from intone.engine.model_runner import ModelRunner
-from intone.engine.sequence import Request, RequestMetrics
+from intone.engine.request import Request, RequestMetrics
+from intone.engine.thread_budget import ThreadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +168,7 @@ def measure(
 
 
 def probe(
-    make_runner: Callable[[BlockManager], ModelRunner],
+    make_runner: Callable[[BlockManager, int], ModelRunner],
     page_size: int,
     frame_seconds: float,
     cores: int,
@@ -175,11 +177,28 @@ def probe(
     enough, closed after."""
     positions = PROBE_CONTEXT + PROBE_STEPS
     blocks = BlockManager(max(PROBE_ROWS) * -(-positions // page_size), page_size)
-    runner = make_runner(blocks)
+    runner = make_runner(blocks, max(PROBE_ROWS))
     try:
         return measure(runner, blocks, frame_seconds, cores)
     finally:
         runner.close()
+
+
+def resolve(
+    config: EngineConfig,
+    make_runner: Callable[[BlockManager, int], ModelRunner],
+    frame_seconds: float,
+    budget: ThreadBudget | None,
+    device: torch.device,
+) -> tuple[EngineConfig, Admission | None]:
+    """`config` with the `max_active` this engine runs, and for "auto" what was measured to
+    choose it (`probe`; None for a number given). On a CPU the stages share the thread budget's
+    cores (torch's threads without one); on a GPU wall seconds count."""
+    if config.max_active != "auto":
+        return config, None
+    cores = (budget.cores if budget else torch.get_num_threads()) if device.type == "cpu" else 0
+    admission = probe(make_runner, config.page_size, frame_seconds, cores)
+    return replace(config, max_active=admission.max_active), admission
 
 
 def _scratch_request(index: int, blocks: BlockManager, latent_dim: int, device) -> Request:

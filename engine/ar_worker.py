@@ -36,8 +36,8 @@ from intone.engine.events import ClauseDone
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.pacing import Need, PacingPolicy
+from intone.engine.request import Phase, Request, now
 from intone.engine.scheduler import Scheduler
-from intone.engine.sequence import Phase, Request, now
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class ARWorker:
             or request.pending
             or request.phase is not Phase.WAITING
             or request.id not in self.scheduler.idle
-            or request.id in self.scheduler.releasing
+            or request.id in self.scheduler.decoder_rows_to_free
         ):
             return None
         return max(request.last_text_at, request.playback.last_delivery_at or 0.0) + timeout
@@ -211,7 +211,7 @@ class ARWorker:
         if error is None and not cancelled:
             request.metrics.finished_at = now()
         # A request the decoder has seen ends there, after the audio it still has queued.
-        if self.scheduler.release(request) or request.in_decoder:
+        if self.scheduler.finish(request) or request.in_decoder:
             self.decoder.put(FinishItem(request, cancelled, error))
         else:
             self.on_end(request, error, cancelled)

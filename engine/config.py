@@ -97,7 +97,7 @@ PROBE_STEPS = (REPEATS + 1) * len(PROBE_ROWS)  # AR steps the first scratch row 
 # holds (bench/results/cpu-2core-issue52-pacing/).
 HEADROOM = 0.7
 
-# ---- requests and voices (engine/engine.py, engine/stream.py)
+# ---- requests and voices (engine/voice_registry.py, engine/stream.py)
 
 # Tries `stream()` makes to find its voice resident: it loads an evicted one between tries, and
 # only a pool churned by other loads in that moment evicts it again.

@@ -63,7 +63,7 @@ from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.generate import fade_in
 from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
-from intone.engine.sequence import Request, now
+from intone.engine.request import Request, now
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class DecoderWorker:
         max_batch: int,
         max_frames_per_call: int,
         max_row_frames_per_call: int,
-        on_released: Callable[[Request], None],
+        on_row_freed: Callable[[Request], None],
         on_finished: Callable[[Request, FinishItem], None],
         on_failed: Callable[[Request, Exception], None],
         on_fatal: Callable[[str, BaseException], None],
@@ -124,7 +124,7 @@ class DecoderWorker:
         self.max_batch = max_batch
         self.max_frames_per_call = max_frames_per_call
         self.max_row_frames_per_call = max_row_frames_per_call
-        self.on_released = on_released
+        self.on_row_freed = on_row_freed
         self.on_finished = on_finished
         self.on_failed = on_failed
         self.on_fatal = on_fatal
@@ -350,7 +350,7 @@ class DecoderWorker:
                             request.decoder_slot
                         )
                     self._release(request)
-                    self.on_released(request)
+                    self.on_row_freed(request)
                 else:
                     items.clear()
                     self._release(request)

@@ -34,7 +34,7 @@ class ClauseDone:
 
     `start_sample` and `sample_count` count the samples the caller received (at the stream's
     speed; exact at speed 1.0). `words` are the caller's own words of `text` with estimated
-    times, in seconds from the stream's first sample (`timeline.py` says how they are estimated).
+    times, in seconds from the stream's first sample (`word_timing.py` says how they are estimated).
     """
 
     clause: int

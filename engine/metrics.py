@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from intone.engine.sequence import RequestMetrics
+from intone.engine.request import RequestMetrics
 
 STAGES = ("prefill", "generate", "decode")
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

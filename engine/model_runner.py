@@ -28,6 +28,7 @@ from intone.engine.config import (
     ROW_CONTEXT_FAULT_IN_POSITIONS,
     ROW_CONTEXT_POOL_MULTIPLE,
     ROW_CONTEXT_POSITIONS,
+    EngineConfig,
 )
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.device import DeviceIO
@@ -39,7 +40,8 @@ from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
-from intone.engine.sequence import Request
+from intone.engine.precision import Precision
+from intone.engine.request import Request
 from intone.engine.thread_budget import ThreadBudget
 from intone.engine.voices import Voice
 
@@ -128,6 +130,36 @@ class ModelRunner:
             max(1, decode_parts - 1), thread_name_prefix="intone-decode"
         )
 
+    @classmethod
+    def from_config(
+        cls,
+        model: PocketTTS,
+        config: EngineConfig,
+        precision: Precision,
+        io: DeviceIO,
+        budget: ThreadBudget | None,
+        blocks: BlockManager,
+        rows: int,
+    ) -> ModelRunner:
+        """A runner as `config` sets it, over `blocks` with `rows` decoder rows: the engine's, or
+        the admission probe's (`admission.probe`), on a pool of its own."""
+        return cls(
+            model,
+            blocks,
+            rows,
+            config.flow_steps,
+            io.device,
+            config.batch_buckets,
+            decoder_int8=precision.decoder_int8,
+            decoder_trace_after=config.decoder_trace_after,
+            thread_budget=budget,
+            # With the thread budget, a decode batch runs one part per core, each on one
+            # thread (intra-op threads stall on a core that is shared).
+            decode_parts=budget.cores if budget and io.device.type == "cpu" else 1,
+            native_kernels=config.native_kernels,
+            io=io,
+        )
+
     def close(self) -> None:
         # After the decoder thread stopped no part is pending; never let close() wait on one.
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
@@ -150,6 +182,8 @@ class ModelRunner:
     def write_voice(self, table: PageTable, voice: Voice) -> None:
         """Write a voice's prompt K/V into its freshly allocated pages."""
         self.pool.write(self.io.upload(self.blocks.slots(table)), voice.keys, voice.values)
+        # Written on the caller's stream; the AR stage reads it on its own.
+        self.io.synchronize()
 
     def draw_noise(self, request: Request) -> torch.Tensor:
         """The flow noise of the request's next frame [latent_dim], from its own generator.
@@ -372,3 +406,12 @@ class ModelRunner:
         index = self.io.upload(torch.tensor([slots[i] for i in order]))
         audio = self.decode_step(index, latents[self.io.upload(torch.tensor(order))])
         return audio.index_select(0, self.io.upload(torch.tensor(back)))
+
+
+def kv_pages(model: PocketTTS, config: EngineConfig) -> int:
+    """Pages of the KV pool: `config.num_pages`, else as many as `kv_memory_mb` holds of this
+    model's slots."""
+    if config.num_pages is not None:
+        return config.num_pages
+    slot_bytes = model.flow_lm.new_kv_pool(0, device="cpu").slot_bytes
+    return max(1, int(config.kv_memory_mb * 2**20 // (slot_bytes * config.page_size)))

@@ -37,9 +37,10 @@ from intone.engine.config import (
     AHEAD_OF_DECODER_CALLS,
     DUE_DECODER_CALLS,
     DUE_LEAD_SHARE,
+    EngineConfig,
     PacingMode,
 )
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 
 
 class Need(Enum):
@@ -63,6 +64,16 @@ class PacingPolicy:
     max_unread_s: float | None
     frame_seconds: float  # one model frame (before `speed`)
     decode_frames: int  # latents per request per decode call (`EngineConfig.max_decode_frames`)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, frame_seconds: float) -> PacingPolicy:
+        return cls(
+            config.pacing,
+            config.lead_s,
+            config.max_unread_s,
+            frame_seconds,
+            config.max_decode_frames,
+        )
 
     @property
     def paced(self) -> bool:

@@ -35,8 +35,8 @@ The pacing policy (`PacingPolicy`, engine/pacing.py) is the scheduler's: it says
 A clause that fails to start (its prompt embedding, its page copy) fails only its own request:
 `schedule` hands it back in `Batch.failed` and goes on with the others.
 
-The scheduler changes its queues only through its own methods (`add`, `ready`,
-`park`, `release`, `released`); the engine calls all of them under its lock.
+The scheduler changes its queues only through its own methods (`add`, `ready`, `park`,
+`finish`, `decoder_row_freed`); the engine calls all of them under its lock.
 """
 
 from __future__ import annotations
@@ -45,16 +45,13 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.config import URGENT_S
+from intone.engine.block_manager import BlockManager
+from intone.engine.config import URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
-from intone.engine.sequence import Phase, Request
+from intone.engine.request import Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
-from intone.engine.voices import Voice
-
-__all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
 
@@ -94,16 +91,40 @@ class Scheduler:
         self.idle: dict[str, Request] = {}  # open, no text pending, no row
         self.waiting: deque[Request] = deque()  # text pending, no row
         self.running: list[Request] = []  # holding a row
-        # Finished requests whose decoder row the decoder thread has not freed yet: they still
-        # count against max_active, so a new request always finds a free row.
-        self.releasing: set[str] = set()
-        # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `release`.
-        self.voices = voices if voices is not None else VoiceCache(blocks, self._write_voice, 0)
+        # Requests that gave their row back (parked or finished) whose decoder row the decoder
+        # thread has not freed yet: they still count against max_active, so a new request always
+        # finds a free row.
+        self.decoder_rows_to_free: set[str] = set()
+        # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `finish`.
+        self.voices = voices if voices is not None else VoiceCache(blocks, runner, 0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, runner: ModelRunner, blocks: BlockManager, pacing: PacingPolicy
+    ) -> Scheduler:
+        """The engine's scheduler, its voices' pages within `config.voice_cache_mb`."""
+        budget = config.voice_cache_mb
+        voices = VoiceCache(
+            blocks,
+            runner,
+            page_bytes=runner.pool.slot_bytes * blocks.page_size,
+            budget_bytes=None if budget is None else int(budget * 2**20),
+        )
+        return cls(
+            runner,
+            blocks,
+            config.max_active,
+            config.max_prefill_tokens,
+            config.max_prefill_rows_near_underrun,
+            pacing,
+            config.max_rows_per_tenant,
+            voices,
+        )
 
     @property
     def active(self) -> int:
-        return len(self.running) + len(self.releasing)
+        return len(self.running) + len(self.decoder_rows_to_free)
 
     # ---- queues
 
@@ -122,19 +143,21 @@ class Scheduler:
             self.waiting.append(request)
 
     def park(self, request: Request) -> None:
-        """Give the request's row back; its decoder row is freed after its audio (`released`)."""
+        """Give the request's row back; its decoder row is freed after its audio
+        (`decoder_row_freed`)."""
         self.running.remove(request)
-        self.releasing.add(request.id)
+        self.decoder_rows_to_free.add(request.id)
         request.phase = Phase.WAITING
         if request.pending:
             self.waiting.append(request)
         else:
             self.idle[request.id] = request
 
-    def release(self, request: Request) -> bool:
-        """Drop the request from scheduling and give back its pages and tail.
+    def finish(self, request: Request) -> bool:
+        """The request is over: drop it from scheduling, give back its pages, its tail and its
+        hold on its voice.
 
-        True if it was admitted: its decoder row is then still to be freed (`released`).
+        True if it held a row: its decoder row is then still to be freed (`decoder_row_freed`).
         """
         admitted = request in self.running
         if request in self.waiting:
@@ -142,7 +165,7 @@ class Scheduler:
         self.idle.pop(request.id, None)
         if admitted:
             self.running.remove(request)
-            self.releasing.add(request.id)
+            self.decoder_rows_to_free.add(request.id)
         self.end_clause(request)
         request.tail = None
         if request.phase is not Phase.FINISHED:
@@ -150,14 +173,11 @@ class Scheduler:
         request.phase = Phase.FINISHED
         return admitted
 
-    def released(self, request: Request) -> None:
-        """The decoder freed the request's row."""
-        self.releasing.discard(request.id)
+    def decoder_row_freed(self, request: Request) -> None:
+        """The decoder thread freed the decoder row of a request that gave its row back."""
+        self.decoder_rows_to_free.discard(request.id)
 
     # ---- pages
-
-    def _write_voice(self, table: PageTable, voice: Voice) -> None:
-        self.runner.write_voice(table, voice)
 
     def clause_pages(self, voice: str, prompt_length: int, max_frames: int) -> int:
         """Pages of its own one clause may need: past the voice's full, shared pages."""

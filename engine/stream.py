@@ -1,18 +1,21 @@
-"""A request as its caller holds it: text in, audio events out, on the caller's event loop.
+"""A request as its caller holds it: text in, audio events out, on the caller's event loop; and
+the engine's side of it, `StreamHost`.
 
 Engine threads hand events over with `loop.call_soon_threadsafe`, so a stream works from any
 asyncio loop, several loops at once included (LiveKit's thread executor gives every job its own).
-A stream talks to its engine only through the engine's public request methods, the
-`StreamHost` protocol (`plan`, `submit`, `cancel`, ...).
+A stream talks to its engine only through its `StreamHost`, which makes its request and, under
+the engine lock, plans and queues its clauses, cancels it and says what pacing holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Protocol
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,42 +27,155 @@ from intone.engine.errors import (
     TextTooLongError,
 )
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
+from intone.engine.generate import make_generator
 from intone.engine.loading import LoadedModel
-from intone.engine.options import ClausePlan
-from intone.engine.sequence import Clause, Phase, Request, RequestMetrics, now
-from intone.engine.text import ClauseSplitter, check_text
-from intone.engine.timeline import Timeline
+from intone.engine.options import ClausePlan, GenerationOptions
+from intone.engine.pacing import PacingPolicy
+from intone.engine.playback import Playback
+from intone.engine.request import Clause, Phase, Request, RequestMetrics, now
+from intone.engine.scheduler import Scheduler
+from intone.engine.text import ClauseSplitter, check_text, plan_clause
+from intone.engine.word_timing import Timeline
 
 __all__ = ["AudioChunk", "ClauseDone", "Stream", "StreamHost", "WordTiming"]
 
 
-class StreamHost(Protocol):
-    """What a stream asks of its engine (`Engine` is the one host)."""
+class StreamHost:
+    """The engine's side of its streams (`Engine.stream_host`): a new stream's request, then,
+    under the engine lock, its clauses planned against the KV pool and queued for the
+    scheduler, its cancel, and what pacing says of it."""
 
-    config: EngineConfig
-    loaded: LoadedModel
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        lock: threading.Condition,
+        scheduler: Scheduler,
+        pacing: PacingPolicy,
+    ):
+        self.config = config
+        self.loaded = loaded
+        self.lock = lock
+        self.scheduler = scheduler
+        self.pacing = pacing
+        self._ids = itertools.count()
 
     @property
-    def sample_rate(self) -> int: ...
+    def sample_rate(self) -> int:
+        return self.loaded.sample_rate
 
-    def plan(self, request: Request, text: str) -> ClausePlan: ...
+    def new_stream(
+        self, voice: str, options: GenerationOptions | None, tenant: str | None
+    ) -> Stream:
+        """A stream on `voice`, not admitted yet (`Engine.stream` admits it). InvalidOptionError
+        for a tenant that is not a str, or a flow-step count this engine does not run."""
+        if tenant is not None and not isinstance(tenant, str):
+            # The AR stage counts rows per tenant: an unhashable one would fail it, for all.
+            raise InvalidOptionError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        if options is None:
+            options = GenerationOptions(chain_frames=self.config.default_chain_frames)
+        else:
+            # A private copy, validated again: the caller's object may have been changed since
+            # it was built, and must not change this stream later.
+            options = replace(options)
+        if options.flow_steps != self.config.flow_steps:
+            raise InvalidOptionError(
+                f"this engine runs {self.config.flow_steps} flow step(s); got {options.flow_steps}"
+            )
+        model_config = self.loaded.config
+        request = Request(
+            id=f"req-{next(self._ids)}",
+            voice=voice,
+            temperature=(
+                model_config.default_temperature
+                if options.temperature is None
+                else options.temperature
+            ),
+            eos_threshold=(
+                model_config.default_eos_threshold
+                if options.eos_threshold is None
+                else options.eos_threshold
+            ),
+            noise_clamp=options.noise_clamp,
+            chain_frames=options.chain_frames,
+            generator=make_generator(options.seed),
+            metrics=RequestMetrics(submitted_at=now(), sample_rate=self.sample_rate),
+            options=options,
+            playback=Playback(options.speed),
+            tenant=tenant,
+        )
+        splitter = ClauseSplitter(
+            self.loaded.tokenizer,
+            min_tokens=self.config.clause_min_tokens,
+            first_clause_min_words=options.first_clause_min_words,
+            first_clause_max_wait_ms=options.first_clause_max_wait_ms,
+            max_tokens=self.config.clause_max_tokens,
+        )
+        stream = Stream(self, request, splitter)
+        request.sink = stream.post
+        return stream
 
-    def submit(self, request: Request, clauses: list[Clause], end: bool) -> None: ...
+    def plan(self, request: Request, text: str) -> ClausePlan:
+        """The plan of one clause of `request`; TextTooLongError if it could never fit."""
+        options = request.options
+        if self.config.max_frames is not None:
+            options = replace(
+                options,
+                max_frames=min(
+                    options.max_frames or self.config.max_frames, self.config.max_frames
+                ),
+            )
+        plan = plan_clause(self.loaded, text, options)
+        with self.lock:
+            pages = self.scheduler.clause_pages(
+                request.voice, request.chain_frames + len(plan.tokens), plan.max_frames
+            )
+            capacity = self.scheduler.clause_capacity()
+        if pages > capacity:
+            raise TextTooLongError(
+                f"a clause needs {pages} KV pages but only {capacity} of the pool's "
+                f"{self.scheduler.blocks.num_pages} are not held by voices: raise num_pages or "
+                "lower max_frames"
+            )
+        return plan
 
-    def cancel(self, request: Request) -> None: ...
+    def submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
+        """Queue planned clauses of `request`; `end`: no more will come."""
+        with self.lock:
+            request.pending.extend(clauses)
+            request.input_ended |= end
+            request.last_text_at = now()
+            if request.metrics.clauses == 0 and clauses:
+                request.metrics.submitted_at = now()
+            request.metrics.clauses += len(clauses)
+            if request.pending:
+                self.scheduler.ready(request)
+            self.lock.notify_all()
 
-    def wake(self) -> None: ...
+    def cancel(self, request: Request) -> None:
+        with self.lock:
+            request.cancelled = True
+            self.lock.notify_all()
 
-    def unread_seconds(self, request: Request) -> float: ...
+    def wake(self) -> None:
+        """Something pacing depends on changed (a playback report, audio read): look again."""
+        with self.lock:
+            self.lock.notify_all()
 
-    def held(self, request: Request, t: float) -> bool: ...
+    def unread_seconds(self, request: Request) -> float:
+        """Seconds of the request's audio its consumer has not read (`PacingPolicy.unread`)."""
+        return self.pacing.unread(request)
+
+    def held(self, request: Request, t: float) -> bool:
+        """Pacing holds the request: too much audio unread, or (pacing "hold") far ahead."""
+        return self.pacing.held(request, t)
 
 
 class Stream:
     """One request: text in (push, flush, end), audio out (async iteration)."""
 
-    def __init__(self, engine: StreamHost, request: Request, splitter: ClauseSplitter):
-        self._engine = engine
+    def __init__(self, host: StreamHost, request: Request, splitter: ClauseSplitter):
+        self._host = host
         self.request = request
         self._splitter = splitter
         self._loop = asyncio.get_running_loop()
@@ -70,7 +186,7 @@ class Stream:
         self._clauses = 0
         self._has_text = False
         # Speed and clause/word timing, applied as events reach the caller.
-        self._timeline = Timeline.for_stream(engine.loaded, request.options)
+        self._timeline = Timeline.for_stream(host.loaded, request.options)
         self._ready: deque[AudioChunk | ClauseDone] = deque()
         # The first clause's wait (`ClauseSplitter.deadline`) as a loop timer, so that the cut
         # comes even if no more text does.
@@ -117,7 +233,7 @@ class Stream:
             self.push_text(text[start : start + PUSH_PIECE_CHARS])
 
     def _check_length(self, chars: int) -> None:
-        limit = self._engine.config.max_text_chars
+        limit = self._host.config.max_text_chars
         if self._chars + chars > limit:
             raise TextTooLongError(f"text over the limit of {limit} characters")
 
@@ -138,7 +254,7 @@ class Stream:
         """Stop now: no audio is delivered after this returns; engine state is released."""
         self._closed = True
         self._disarm_timer()
-        self._engine.cancel(self.request)
+        self._host.cancel(self.request)
         # Audio already handed over but not yet consumed is dropped too.
         while not self._events.empty():
             self._events.get_nowait()
@@ -149,7 +265,7 @@ class Stream:
     def unread_seconds(self) -> float:
         """Seconds of this stream's audio generated and not read yet (`EngineConfig.max_unread_s`
         bounds it)."""
-        return self._engine.unread_seconds(self.request)
+        return self._host.unread_seconds(self.request)
 
     def held(self) -> bool:
         """Whether this stream has text to speak that pacing keeps it from speaking now: it is
@@ -157,7 +273,7 @@ class Stream:
         no audio until the listener moves on (with reports, until it reports again)."""
         request = self.request
         working = bool(request.pending) or request.phase in (Phase.PREFILL, Phase.GENERATING)
-        return working and self._engine.held(request, now())
+        return working and self._host.held(request, now())
 
     def report_playback(self, seconds: float) -> None:
         """How many seconds of this stream's audio the listener has played.
@@ -170,7 +286,7 @@ class Stream:
             raise InvalidOptionError(f"playback must be finite and >= 0, got {seconds!r}")
         self._reported_at = now()
         self.request.playback.report(float(seconds), self._reported_at)
-        self._engine.wake()
+        self._host.wake()
         self._check_dry()
 
     def _check_open(self) -> None:
@@ -216,7 +332,7 @@ class Stream:
             self._dry_timer.cancel()
             self._dry_timer = None
         splitter = self._splitter
-        margin = self._engine.config.cut_before_dry_s
+        margin = self._host.config.cut_before_dry_s
         if (
             margin is None
             or self._closed
@@ -241,16 +357,16 @@ class Stream:
 
     def _fail(self, error: Exception) -> None:
         self._disarm_timer()
-        self._engine.cancel(self.request)
+        self._host.cancel(self.request)
         self._deliver(error)
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []
         for text in texts:
-            plan = self._engine.plan(self.request, text)
+            plan = self._host.plan(self.request, text)
             clauses.append(Clause(self._clauses, text, plan))
             self._clauses += 1
-        self._engine.submit(self.request, clauses, end)
+        self._host.submit(self.request, clauses, end)
 
     def post(self, event: object) -> None:
         """Hand an event over from an engine thread: audio, a clause end, None (the end) or
@@ -258,7 +374,7 @@ class Stream:
         try:
             self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
-            self._engine.cancel(self.request)
+            self._host.cancel(self.request)
 
     def _deliver(self, event: object) -> None:
         if not self._closed:
@@ -288,7 +404,7 @@ class Stream:
                 self._ended = True
                 raise event
             elif isinstance(event, AudioChunk):
-                self.request.read_seconds += len(event.samples) / self._engine.sample_rate
+                self.request.read_seconds += len(event.samples) / self._host.sample_rate
                 chunk = self._timeline.audio(event)
                 if chunk is not None:
                     self._ready.append(chunk)

@@ -17,11 +17,24 @@ decoded frames, worth it where the decoder is the bottleneck
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+
+def set_torch_threads(threads: int | None) -> ThreadBudget | None:
+    """Torch's threads as `EngineConfig.torch_threads` says: that many (0: torch's own), or for
+    None a budget over this machine's cores, starting where two busy stages leave it."""
+    budget = None
+    if threads is None:
+        budget = ThreadBudget(os.cpu_count() or 2)
+        threads = budget.threads_for(2)
+    if threads:
+        torch.set_num_threads(threads)
+    return budget
 
 
 class ThreadBudget:

@@ -10,7 +10,7 @@ The next stream on an evicted voice loads it again (`Engine.prefill_voice`), so 
 hold thousands of voices with a few of them in the pool.
 
 Its methods run under the engine lock, except `load` (a file read or an encoding), which runs
-outside it; writing a voice's pages goes through the engine's `write` (the model runner's).
+outside it; a voice's pages are written by the model runner (`ModelRunner.write_voice`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.errors import EngineFailedError, EngineFullError, UnknownVoiceError
+from intone.engine.model_runner import ModelRunner
 from intone.engine.voices import Voice
 
 logger = logging.getLogger(__name__)
@@ -46,12 +47,12 @@ class VoiceCache:
     def __init__(
         self,
         blocks: BlockManager,
-        write: Callable[[PageTable, Voice], None],
+        runner: ModelRunner,
         page_bytes: int,
         budget_bytes: int | None = None,
     ):
         self.blocks = blocks
-        self._write_pages = write
+        self.runner = runner
         self.page_bytes = page_bytes
         self.budget_bytes = budget_bytes
         self._entries: dict[str, VoicePrefix] = {}
@@ -158,7 +159,7 @@ class VoiceCache:
         except MemoryError as e:
             raise EngineFullError(f"no room in the KV pool for voice {name!r}: {e}") from e
         try:
-            self._write_pages(table, voice)
+            self.runner.write_voice(table, voice)
         except Exception as e:
             self.blocks.release(table)
             raise EngineFailedError(f"registering voice {name!r} failed: {e!r}") from e

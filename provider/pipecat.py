@@ -134,7 +134,7 @@ class IntoneTTSService(TTSService):
 
     Word timestamps (on by default): the engine reports each clause's exact place in the audio
     and estimated times for its words (the clause's speech shared out by the model tokens of
-    each word's spoken form, `intone.engine.timeline`), for the words as the LLM sent them, so
+    each word's spoken form, `intone.engine.word_timing`), for the words as the LLM sent them, so
     the context aggregator keeps only the words that were played when a turn is interrupted.
     Remote mode gets the same times over the protocol. `word_timestamps=False` pushes the text
     frames without times instead.

@@ -528,7 +528,7 @@ class StartedEvent:
 @dataclass
 class WordTime:
     """One of the client's words and when it is heard, in seconds from the stream's first audio
-    (estimated: see `intone.engine.timeline`)."""
+    (estimated: see `intone.engine.word_timing`)."""
 
     word: str
     start: float

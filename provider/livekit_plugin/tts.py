@@ -157,7 +157,7 @@ class TTS(tts.TTS):
 
         Word timing: every clause's words reach LiveKit as `TimedString`s
         (`aligned_transcript=True`), with the engine's estimated times (token-weighted within
-        each clause, see `intone.engine.timeline`), so the transcript follows the audio and an
+        each clause, see `intone.engine.word_timing`), so the transcript follows the audio and an
         interrupted turn keeps only the words that were heard.
 
         TTFB: LiveKit measures it from the first text sent to this TTS to the first audio frame

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +26,6 @@ import torch
 from safetensors.torch import save_file
 
 from intone.engine import Engine, EngineConfig, EngineFailedError
-from intone.engine.block_manager import BlockManager
 from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import ModelRunner
 from intone.engine.precision import configure_precision
@@ -35,6 +33,7 @@ from intone.engine.voices import load_voice
 
 from support import faults
 from support.engine import TEXTS, Reference, options, rel_rms, run_request, voice_pages, wait_idle
+from support.runner import scratch_runner
 
 pytestmark = [
     pytest.mark.cuda,
@@ -47,33 +46,6 @@ MAX_REL_RMS = 2e-3
 # One stage on the device against the CPU, relative RMS error (see the module's doc).
 STAGE_REL = 1e-4
 DECODE_REL = 1e-3
-
-
-def runner_on(device: torch.device, loaded: LoadedModel) -> tuple[ModelRunner, list]:
-    configure_precision(device, float32=True)
-    model = copy.deepcopy(loaded.model).to(device)
-    flow_lm = model.flow_lm
-    blocks = BlockManager(32, 16)
-    runner = ModelRunner(model, blocks, 2, 1, device)
-    requests = []
-    for i, length in enumerate((5, 9)):
-        table = blocks.allocate(0)
-        assert blocks.reserve(table, 40)
-        blocks.extend(table, length)
-        requests.append(
-            SimpleNamespace(
-                table=table,
-                prompt=torch.randn(
-                    length, flow_lm.dim, generator=torch.Generator().manual_seed(i)
-                ).to(device),
-                previous_latent=torch.full((flow_lm.latent_dim,), float("nan"), device=device),
-                eos_threshold=0.0,
-                temperature=0.3,
-                noise_clamp=None,
-                generator=torch.Generator().manual_seed(10 + i),
-            )
-        )
-    return runner, requests
 
 
 def run_steps(runner: ModelRunner, requests: list, sync_check: bool) -> list[torch.Tensor]:
@@ -103,8 +75,8 @@ def run_steps(runner: ModelRunner, requests: list, sync_check: bool) -> list[tor
 
 def test_steps_run_without_host_syncs(tiny_model: LoadedModel) -> None:
     # The generate inputs read the prefill's page tables only, so both can be prepared first.
-    gpu = run_steps(*runner_on(torch.device("cuda"), tiny_model), sync_check=True)
-    cpu = run_steps(*runner_on(torch.device("cpu"), tiny_model), sync_check=False)
+    gpu = run_steps(*scratch_runner(tiny_model, torch.device("cuda")), sync_check=True)
+    cpu = run_steps(*scratch_runner(tiny_model, torch.device("cpu")), sync_check=False)
     torch.testing.assert_close(gpu[0], cpu[0], atol=1e-3, rtol=1e-3)
     assert torch.equal(gpu[1], cpu[1])
     torch.testing.assert_close(gpu[2], cpu[2], atol=1e-3, rtol=1e-3)
@@ -158,7 +130,7 @@ def assert_close_rel(got: torch.Tensor, want: torch.Tensor, limit: float, what: 
 
 def both(loaded: LoadedModel) -> list[tuple[ModelRunner, list]]:
     """The same runner and requests on the GPU and on the CPU."""
-    return [runner_on(torch.device(d), loaded) for d in ("cuda", "cpu")]
+    return [scratch_runner(loaded, torch.device(d)) for d in ("cuda", "cpu")]
 
 
 def prefill(runner: ModelRunner, requests: list) -> tuple[torch.Tensor, torch.Tensor]:

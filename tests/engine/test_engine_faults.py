@@ -11,12 +11,10 @@ An error no request can be blamed for fails the engine: every open stream ends w
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +59,7 @@ from support.faults import (
     open_streams,
     push_all,
 )
+from support.runner import scratch_runner
 
 FAIL_WITHIN = 1.0  # seconds for every open stream to end after an unrecoverable error
 
@@ -170,7 +169,7 @@ async def test_an_unrecoverable_error_ends_every_stream(make_engine, where: str)
         engine.decoder._run_control_items = boom
     else:
         engine.decoder._run_control_items = leave
-    engine.cancel(streams[0].request)  # wakes both stages up
+    engine.stream_host.cancel(streams[0].request)  # wakes both stages up
     started = time.monotonic()
     results = await asyncio.wait_for(
         asyncio.gather(*[collect(s) for s in [*streams, waiting]]), FAIL_WITHIN
@@ -356,26 +355,10 @@ def test_steps_mix_no_host_tensor_into_device_math(tiny_model: LoadedModel) -> N
     """The runner's prefill, AR step and decode step on the `meta` device: a host tensor meeting a
     device tensor inside a step raises (meta runs no host read-back, so those stay outside)."""
     meta = torch.device("meta")
-    model = copy.deepcopy(tiny_model.model).to(meta)
-    flow_lm = model.flow_lm
-    blocks = BlockManager(32, 16)
-    runner = ModelRunner(model, blocks, 2, 1, meta, batch_buckets=(4,))
-    requests = []
-    for i, length in enumerate((5, 9)):
-        table = blocks.allocate(0)
-        assert blocks.reserve(table, 40)
-        blocks.extend(table, length)
-        requests.append(
-            SimpleNamespace(
-                table=table,
-                prompt=torch.zeros(length, flow_lm.dim, device=meta),
-                previous_latent=torch.zeros(flow_lm.latent_dim, device=meta),
-                eos_threshold=0.5,
-                temperature=0.3,
-                noise_clamp=None if i else 2.0,
-                generator=torch.Generator().manual_seed(i),
-            )
-        )
+    runner, requests = scratch_runner(
+        tiny_model, meta, batch_buckets=(4,), noise_clamps=(2.0, None)
+    )
+    blocks, flow_lm = runner.blocks, runner.flow_lm
     for request in requests:
         blocks.extend(request.table, 1)  # the clause's first AR step, taken in the prefill pass
     noise = [runner.draw_noise(r) for r in requests]
@@ -391,7 +374,7 @@ def test_steps_mix_no_host_tensor_into_device_math(tiny_model: LoadedModel) -> N
     assert eos.device == meta and eos.dtype == torch.bool and eos.shape == (2,)
     slots = [runner.decoder_states.acquire() for _ in requests]
     audio = runner.decode(slots, latents[:, None])
-    assert audio.device == meta and audio.shape == (2, model.samples_per_frame)
+    assert audio.device == meta and audio.shape == (2, runner.model.samples_per_frame)
 
 
 def test_a_decode_split_across_cores_equals_one_part_and_fails_whole(

@@ -30,7 +30,7 @@ from intone.engine import (
 from intone.engine.config import DUE_LEAD_SHARE, FIRST_FRAMES_ON_AR
 from intone.engine.decoder_worker import DecoderWorker, LatentItem
 from intone.engine.metrics import EngineMetrics
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 
 from support.engine import (
     TEXTS,
@@ -445,7 +445,7 @@ def recording_worker(
     ignore = lambda *args: None  # noqa: E731
     worker = DecoderWorker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
-        max_frames_per_call=4, max_row_frames_per_call=max_row_frames, on_released=ignore,
+        max_frames_per_call=4, max_row_frames_per_call=max_row_frames, on_row_freed=ignore,
         on_finished=ignore, on_failed=ignore, on_fatal=ignore, paced=paced,
         yield_after_s=yield_after_s,
     )  # fmt: skip

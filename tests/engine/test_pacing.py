@@ -16,8 +16,8 @@ from intone.engine.block_manager import BlockManager
 from intone.engine.config import AHEAD_OF_DECODER_CALLS, PacingMode
 from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.playback import Playback
+from intone.engine.request import Phase, Request, RequestMetrics
 from intone.engine.scheduler import Scheduler
-from intone.engine.sequence import Phase, Request, RequestMetrics
 
 FRAME_S = 0.08
 LEAD_S = 1.0

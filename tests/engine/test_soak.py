@@ -21,7 +21,7 @@ import pytest
 from intone.engine import AudioChunk, Engine, EngineConfig, Stream
 from intone.engine.loading import load_model
 from intone.engine.options import GenerationOptions
-from intone.engine.sequence import Request
+from intone.engine.request import Request
 
 CHILD_FLAG = "INTONE_SOAK_IN_CHILD"
 N_REQUESTS = 1000  # after warm-up

@@ -5,5 +5,6 @@
 - `support.engine`: the engine suites' single-request reference, request runners and checks.
 - `support.faults`: fault injection under concurrent streams (CPU and CUDA fault suites).
 - `support.oracle`: intone's single path against the pocket-tts package.
+- `support.runner`: a model runner with scratch requests, for the tests that call its steps.
 - `support.server`: an in-process `intone serve` on a free port, and WebSocket helpers.
 """

@@ -10,7 +10,7 @@ import pytest
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions
 from intone.engine.loading import load_model
-from intone.engine.timeline import estimate_word_times
+from intone.engine.word_timing import estimate_word_times
 
 NO_EOS = 1e9
 TEXT = "It costs $12.50 today, or so they said. Then we leave at 3:45 pm and that is all."

@@ -2,7 +2,7 @@
 
 A `Timeline` sits where a stream hands events to its caller. It counts the decoded samples of
 every clause (so a clause's first sample and length are exact), time-scales the audio by the
-stream's `speed` (`tempo.Tempo`), and when a clause ends fills its `ClauseDone` with that
+stream's `speed` (`speed.TimeStretch`), and when a clause ends fills its `ClauseDone` with that
 position and with estimated times for the clause's words.
 
 Word times are estimates: the model does not align text to audio. A clause's speech runs from its
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from intone.engine.events import AudioChunk, ClauseDone, WordTiming
+from intone.engine.speed import TimeStretch
 from intone.engine.spoken_form import normalize_text
-from intone.engine.tempo import Tempo
 
 if TYPE_CHECKING:
     from intone.engine.loading import LoadedModel
@@ -77,7 +77,7 @@ class Timeline:
     ) -> None:
         self.sample_rate = sample_rate
         self.frame_size = frame_size
-        self.tempo = Tempo(speed)
+        self.stretch = TimeStretch(speed)
         self._count_tokens = count_tokens
         self._decoded = 0  # samples decoded so far, before time-scaling
         self._clause_starts: dict[int, int] = {}  # clause -> its first decoded sample
@@ -99,11 +99,11 @@ class Timeline:
         return cls(loaded.sample_rate, frame_size, options.speed, count)
 
     def audio(self, chunk: AudioChunk) -> AudioChunk | None:
-        """The chunk as the caller gets it (time-scaled), or None while the tempo holds it."""
+        """The chunk as the caller gets it (time-scaled), or None while the stretch holds it."""
         self._clause_starts.setdefault(chunk.clause, self._decoded)
         self._decoded += len(chunk.samples)
         self.last_clause = chunk.clause
-        samples = self.tempo.feed(chunk.samples)
+        samples = self.stretch.feed(chunk.samples)
         return dataclasses.replace(chunk, samples=samples) if len(samples) else None
 
     def clause_done(self, event: ClauseDone) -> ClauseDone:
@@ -113,16 +113,16 @@ class Timeline:
         speech = length
         if event.eos_frame is not None:
             speech = min(length, (event.eos_frame + 1) * self.frame_size)
-        start = self.tempo.output_position(first)
-        count = self.tempo.output_position(first + length) - start
+        start = self.stretch.output_position(first)
+        count = self.stretch.output_position(first + length) - start
         words = estimate_word_times(
             event.text,
             start / self.sample_rate,
-            self.tempo.output_position(speech) / self.sample_rate,
+            self.stretch.output_position(speech) / self.sample_rate,
             self._count_tokens,
         )
         return dataclasses.replace(event, start_sample=start, sample_count=count, words=words)
 
     def end(self) -> np.ndarray:
-        """The last of the audio, held back by the tempo, at the end of the stream."""
-        return self.tempo.finish()
+        """The last of the audio, held back by the time-stretch, at the end of the stream."""
+        return self.stretch.finish()

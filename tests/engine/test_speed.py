@@ -9,7 +9,7 @@ import pytest
 
 from intone.engine.errors import InvalidOptionError
 from intone.engine.options import GenerationOptions
-from intone.engine.tempo import Tempo
+from intone.engine.speed import TimeStretch
 
 RATE = 24_000
 CHUNK = 1920  # one model frame
@@ -24,15 +24,17 @@ def tone(freq: float = 220.0, seconds: float = SECONDS) -> np.ndarray:
     return wave.astype(np.float32)
 
 
-def stream(tempo: Tempo, audio: np.ndarray, chunk: int = CHUNK) -> tuple[np.ndarray, list[int]]:
+def stream(
+    stretch: TimeStretch, audio: np.ndarray, chunk: int = CHUNK
+) -> tuple[np.ndarray, list[int]]:
     """The output of feeding `audio` chunk by chunk, and where each chunk's output starts."""
     parts, joins, n = [], [], 0
     for i in range(0, len(audio), chunk):
-        out = tempo.feed(audio[i : i + chunk])
+        out = stretch.feed(audio[i : i + chunk])
         joins.append(n)
         n += len(out)
         parts.append(out)
-    parts.append(tempo.finish())
+    parts.append(stretch.finish())
     joins.append(n)
     return np.concatenate(parts), joins
 
@@ -50,7 +52,7 @@ def pitch(audio: np.ndarray) -> float:
 @pytest.mark.parametrize("speed", SPEEDS)
 def test_duration_scales_by_one_over_speed(speed: float) -> None:
     audio = tone()
-    out, _ = stream(Tempo(speed), audio)
+    out, _ = stream(TimeStretch(speed), audio)
     ratio = len(out) / len(audio)
     assert abs(ratio * speed - 1) < 0.03, f"speed {speed}: duration ratio {ratio:.4f}"
 
@@ -58,7 +60,7 @@ def test_duration_scales_by_one_over_speed(speed: float) -> None:
 @pytest.mark.parametrize("speed", SPEEDS)
 def test_pitch_is_kept(speed: float) -> None:
     audio = tone(220.0)
-    out, _ = stream(Tempo(speed), audio)
+    out, _ = stream(TimeStretch(speed), audio)
     assert abs(pitch(audio) / 220.0 - 1) < 0.002  # the measure itself is sound
     assert abs(pitch(out) / 220.0 - 1) < 0.02, f"speed {speed}: pitch {pitch(out):.1f} Hz"
 
@@ -66,9 +68,9 @@ def test_pitch_is_kept(speed: float) -> None:
 @pytest.mark.parametrize("speed", SPEEDS)
 def test_no_seams_at_chunk_joins(speed: float) -> None:
     audio = tone()
-    out, joins = stream(Tempo(speed), audio)
+    out, joins = stream(TimeStretch(speed), audio)
     # Chunking does not change the output: the state carries across joins.
-    whole, _ = stream(Tempo(speed), audio, chunk=len(audio))
+    whole, _ = stream(TimeStretch(speed), audio, chunk=len(audio))
     np.testing.assert_allclose(out, whole, atol=1e-6)
     # And nowhere, joins included, does the waveform jump more than the tone itself moves.
     steps = np.abs(np.diff(out[CHUNK:-CHUNK]))
@@ -81,11 +83,11 @@ def test_no_seams_at_chunk_joins(speed: float) -> None:
 
 def test_speed_one_passes_audio_through() -> None:
     audio = tone(seconds=0.5)
-    tempo = Tempo(1.0)
+    stretch = TimeStretch(1.0)
     chunks = [audio[i : i + CHUNK] for i in range(0, len(audio), CHUNK)]
-    assert all(tempo.feed(c) is c for c in chunks)
-    assert len(tempo.finish()) == 0
-    assert tempo.output_position(12345) == 12345
+    assert all(stretch.feed(c) is c for c in chunks)
+    assert len(stretch.finish()) == 0
+    assert stretch.output_position(12345) == 12345
 
 
 def test_speed_option_bounds() -> None:
@@ -96,4 +98,4 @@ def test_speed_option_bounds() -> None:
         with pytest.raises(InvalidOptionError, match="speed"):
             GenerationOptions(speed=bad)
     with pytest.raises(ValueError, match="speed"):
-        Tempo(3.0)
+        TimeStretch(3.0)

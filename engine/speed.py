@@ -3,8 +3,8 @@
 The model has no rate control, so `speed` is applied after decoding with WSOLA (waveform
 similarity overlap-add, `audiotsm`): frames of the input are overlap-added at a different hop,
 each shifted by up to `tolerance` samples to where it best continues the output, which keeps the
-pitch and avoids phasing. One `Tempo` follows a stream from its first chunk to its end, so the
-overlap-add runs across chunk and clause joins as if over one signal: no seams, no clicks.
+pitch and avoids phasing. One `TimeStretch` follows a stream from its first chunk to its end, so
+the overlap-add runs across chunk and clause joins as if over one signal: no seams, no clicks.
 
 It adds about one frame (1024 samples, 43 ms at 24 kHz) of delay, and the output length is the
 input length / speed within about 1% (the analysis hop is a whole number of samples).
@@ -21,7 +21,7 @@ MAX_SPEED = 2.0
 _FRAME = 1024  # WSOLA frame: 43 ms at 24 kHz, audiotsm's default
 
 
-class Tempo:
+class TimeStretch:
     """Time-scales one stream's audio, chunk by chunk: `feed` each chunk, `finish` at the end.
 
     At speed 1.0 it passes chunks through untouched (the same arrays, no delay).
