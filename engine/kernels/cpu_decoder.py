@@ -429,15 +429,7 @@ class CpuDecoder:
         state = self.upsample.init_state(batch_size, device)
         for layer in self.layers:
             state.update(layer.init_state(batch_size, device))
-        t = self.transformer.transformer
-        kv_shape = (batch_size, self.ring, t.num_kv_heads, t.head_dim)
-        state["transformer.offset"] = torch.zeros(batch_size, dtype=torch.long, device=device)
-        for layer in range(len(t.layers)):
-            state[f"transformer.{layer}.keys"] = torch.zeros(kv_shape, device=device)
-            state[f"transformer.{layer}.values"] = torch.zeros(kv_shape, device=device)
-            state[f"transformer.{layer}.key_positions"] = torch.full(
-                (batch_size, self.ring), -1, dtype=torch.long, device=device
-            )
+        state.update(self.transformer.init_state("transformer", batch_size, device, self.ring))
         return state
 
     @torch.no_grad()

@@ -173,15 +173,20 @@ class ProjectedTransformer(nn.Module):
             layer_scale=cfg.layer_scale,
         )
 
-    def init_state(self, name: str, batch_size: int, device: torch.device) -> State:
+    def init_state(
+        self, name: str, batch_size: int, device: torch.device, slots: int | None = None
+    ) -> State:
+        """The KV ring of every layer, `slots` positions (the context unless a caller's ring
+        holds more, as the engine's CPU decoder's does), empty."""
+        slots = self.context if slots is None else slots
         t = self.transformer
-        kv_shape = (batch_size, self.context, t.num_kv_heads, t.head_dim)
+        kv_shape = (batch_size, slots, t.num_kv_heads, t.head_dim)
         state = {f"{name}.offset": torch.zeros(batch_size, dtype=torch.long, device=device)}
         for layer in range(len(t.layers)):
             state[f"{name}.{layer}.keys"] = torch.zeros(kv_shape, device=device)
             state[f"{name}.{layer}.values"] = torch.zeros(kv_shape, device=device)
             state[f"{name}.{layer}.key_positions"] = torch.full(
-                (batch_size, self.context), -1, dtype=torch.long, device=device
+                (batch_size, slots), -1, dtype=torch.long, device=device
             )
         return state
 
