@@ -197,21 +197,39 @@ class Cdp:
             )
 
 
+async def new_page(cdp: Cdp, width: int = 980) -> str:
+    """A blank tab of `width` CSS pixels, its session id."""
+    target = await cdp.send("Target.createTarget", {"url": "about:blank"})
+    attached = await cdp.send(
+        "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
+    )
+    page = attached["sessionId"]
+    await cdp.send("Runtime.enable", session=page)
+    await cdp.send("Page.enable", session=page)
+    await cdp.send(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
+        page,
+    )
+    return page
+
+
+async def open_page(cdp: Cdp, url: str, width: int = 980) -> str:
+    """The demo at `url` in a new tab, once it is connected and has its voices."""
+    page = await new_page(cdp, width)
+    await cdp.send("Page.navigate", {"url": url}, page)
+    await cdp.wait_for(page, "window.intone && window.intone.connected")
+    await cdp.wait_for(page, "window.intone.voicesLoaded >= 1")
+    return page
+
+
 async def test_demo_page_streams_audio_and_stops(chromium_path, tiny_checkpoint, tmp_path):
     with running_server(tiny_checkpoint) as (server, engine):
         pages = idle_pages(engine)
         with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
             async with connect(browser_url, max_size=2**26) as ws:
                 cdp = Cdp(ws)
-                target = await cdp.send("Target.createTarget", {"url": "about:blank"})
-                attached = await cdp.send(
-                    "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
-                )
-                page = attached["sessionId"]
-                await cdp.send("Runtime.enable", session=page)
-                await cdp.send("Page.enable", session=page)
-                await cdp.send("Page.navigate", {"url": f"{server.url}/"}, page)
-                await cdp.wait_for(page, "window.intone && window.intone.connected")
+                page = await open_page(cdp, f"{server.url}/")
 
                 # Random weights: the page must say so.
                 await cdp.wait_for(page, "window.intone.weights === 'generated'")
@@ -278,13 +296,7 @@ async def test_demo_page_takes_the_api_key(chromium_path, tiny_checkpoint, tmp_p
         with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
             async with connect(browser_url, max_size=2**26) as ws:
                 cdp = Cdp(ws)
-                target = await cdp.send("Target.createTarget", {"url": "about:blank"})
-                attached = await cdp.send(
-                    "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
-                )
-                page = attached["sessionId"]
-                await cdp.send("Runtime.enable", session=page)
-                await cdp.send("Page.enable", session=page)
+                page = await new_page(cdp)
                 await cdp.send("Page.navigate", {"url": f"{server.url}/"}, page)
                 await cdp.wait_for(
                     page,
@@ -312,25 +324,6 @@ TURN_TEXT = (
     "One two three, four five six. Seven eight nine, ten eleven twelve. "
     "Thirteen fourteen, fifteen sixteen."
 )
-
-
-async def open_page(cdp: Cdp, url: str, width: int = 980) -> str:
-    target = await cdp.send("Target.createTarget", {"url": "about:blank"})
-    attached = await cdp.send(
-        "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True}
-    )
-    page = attached["sessionId"]
-    await cdp.send("Runtime.enable", session=page)
-    await cdp.send("Page.enable", session=page)
-    await cdp.send(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False},
-        page,
-    )
-    await cdp.send("Page.navigate", {"url": url}, page)
-    await cdp.wait_for(page, "window.intone && window.intone.connected")
-    await cdp.wait_for(page, "window.intone.voicesLoaded >= 1")
-    return page
 
 
 async def screenshot(cdp: Cdp, page: str, panel: str, folder: Path) -> Path:
