@@ -22,11 +22,10 @@ from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.options import GenerationOptions
 from intone.engine.releases import language_of
-from intone.engine.text import split_clauses
 from intone.engine.voices import load_voice
 
 from support.checkpoints import checkpoint
-from support.engine import NO_EOS
+from support.engine import NO_EOS, engine_clauses
 from support.oracle import Reference, ours, relative_error
 
 MAX_REL = 1e-4
@@ -121,15 +120,7 @@ def test_full_release_equals_reference(
 
 
 def single_path_audio(loaded: LoadedModel, voice, text: str, opts: GenerationOptions) -> np.ndarray:
-    config = EngineConfig()
-    clauses = split_clauses(
-        loaded.tokenizer,
-        text,
-        min_tokens=config.clause_min_tokens,
-        first_clause_min_words=GenerationOptions().first_clause_min_words,
-        max_tokens=config.clause_max_tokens,
-    )
-    return torch.cat(list(generate(loaded, voice, clauses, opts))).numpy()
+    return torch.cat(list(generate(loaded, voice, engine_clauses(loaded, text), opts))).numpy()
 
 
 async def engine_audio(engine: Engine, text: str, opts: GenerationOptions) -> np.ndarray:

@@ -69,6 +69,18 @@ def assert_audio_prefix(got: np.ndarray, want: np.ndarray, what: str = "") -> No
         assert_same_audio(got, want[: got.shape[0]], what)
 
 
+def engine_clauses(loaded: LoadedModel, text: str) -> list[str]:
+    """The clauses a default engine stream makes of `text` pushed at once."""
+    config = EngineConfig()
+    return split_clauses(
+        loaded.tokenizer,
+        text,
+        min_tokens=config.clause_min_tokens,
+        first_clause_min_words=GenerationOptions().first_clause_min_words,
+        max_tokens=config.clause_max_tokens,
+    )
+
+
 class Reference:
     """The single-request path, cached: audio of (text, voice, options)."""
 
@@ -79,13 +91,7 @@ class Reference:
         self._cache: dict[tuple, np.ndarray] = {}
 
     def clauses(self, text: str) -> list[str]:
-        return split_clauses(
-            self.loaded.tokenizer,
-            text,
-            min_tokens=self.config.clause_min_tokens,
-            first_clause_min_words=GenerationOptions().first_clause_min_words,
-            max_tokens=self.config.clause_max_tokens,
-        )
+        return engine_clauses(self.loaded, text)
 
     def audio(self, text: str, voice: str, opts: GenerationOptions) -> np.ndarray:
         key = (text, voice, astuple(opts))

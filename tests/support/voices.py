@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from intone.engine import EngineConfig
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel
 from intone.engine.options import GenerationOptions
-from intone.engine.text import split_clauses
 from intone.engine.voices import Voice
+
+from support.engine import engine_clauses
 
 VOICES = 100
 BUDGET_VOICES = 10
@@ -33,14 +33,7 @@ def variant(base: Voice, index: int) -> Voice:
 
 
 def single_path(loaded: LoadedModel, voice: Voice, seed: int) -> np.ndarray:
-    config = EngineConfig()
-    clauses = split_clauses(
-        loaded.tokenizer,
-        TEXT,
-        min_tokens=config.clause_min_tokens,
-        first_clause_min_words=GenerationOptions().first_clause_min_words,
-        max_tokens=config.clause_max_tokens,
-    )
+    clauses = engine_clauses(loaded, TEXT)
     return torch.cat(list(generate(loaded, voice, clauses, options(seed)))).numpy()
 
 
