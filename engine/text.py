@@ -540,9 +540,9 @@ class ClauseSplitter:
         ch = self._buf[i]
         if ch == "\u2014":
             return self._long_enough(i + 1, sentence=False)
-        if not (self._first and ch in _EARLY_CUT and i):
+        if not (self._first and ch in _EARLY_CUT and i and not self._buf[i - 1].isspace()):
             return False
-        word = self._buf[:i].rsplit(None, 1)[-1].lstrip(_OPENERS)
+        word = _last_word(self._buf, i).lstrip(_OPENERS)
         return (
             word.replace("'", "").isalpha()
             and not _inside_number(self._buf, i + 1)

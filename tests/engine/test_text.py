@@ -473,6 +473,8 @@ def test_first_clause_ends_at_a_comma_without_waiting_for_the_next_token(tok: To
     quoted = ClauseSplitter(tok)
     assert quoted.push('"Yes,"') == ['"Yes,']
     assert quoted.end() == ['"']
+    bare = ClauseSplitter(tok)  # a comma after nothing but whitespace is no word's end
+    assert bare.push(" , ok,") == [", ok,"]
 
 
 def test_flush_forces_out_the_buffer(tok: Tokenizer) -> None:
