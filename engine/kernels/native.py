@@ -32,10 +32,9 @@ logger = logging.getLogger(__name__)
 # No -ffast-math: the kernels say with `omp simd` or vector types where a reduction may be
 # reordered.
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC", "-std=c++20")
-# Tried in order: the operators' GCC vector types are 16 floats wide: on AVX-512 one register
-# each, where GCC and Clang otherwise split them in two 256-bit halves (vector_math.h); a
-# compiler that does not take -march=native (some clang builds on ARM) still builds a portable
-# library.
+# Tried in order: the operators' GCC vector types are one register of the target wide
+# (vector_math.h), and on AVX-512 GCC uses its 512-bit registers only when told to; a compiler
+# that does not take -march=native (some clang builds on ARM) still builds a portable library.
 ARCH_FLAGS = (("-march=native", "-mprefer-vector-width=512"), ("-march=native",), ())
 BUILD_TIMEOUT_S = 120.0
 

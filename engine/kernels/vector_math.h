@@ -7,9 +7,17 @@
 
 namespace intone {
 
-constexpr int64_t LANES = 16; /* floats per vector */
+/* Floats per vector: one register of the target. Wider types are not split into registers
+ * where the target lacks them: GCC 12 on AVX2 passes a 16-float vector through the stack, and
+ * the ELU took 3.4 ns per element with 16 lanes against 0.58 with 8 (one Zen 3 core). */
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;
+#elif defined(__AVX__)
+constexpr int64_t LANES = 8;
+#else
+constexpr int64_t LANES = 4; /* SSE, NEON */
+#endif
 
-/* One AVX-512 register, two AVX2 or four NEON registers. */
 typedef float floats __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
 
