@@ -179,18 +179,38 @@ class LiveKitPath:
 
 
 class ClientPath:
+    """Turns over as few connections as the server allows: a connection holds at most its
+    hello's `limits.max_streams` streams, so callers beyond that open another (as agents in
+    several processes would)."""
+
     def __init__(self, base_url: str, policy: dict):
+        self.base_url = base_url
+        self.policy = policy
+        self.open_streams: dict = {}  # IntoneClient -> its streams now open
+
+    async def _client(self):
         from intone.provider.client import IntoneClient
 
-        self.client = IntoneClient(base_url)
-        self.policy = policy
+        for client, count in self.open_streams.items():
+            if count < client.hello.limits.max_streams:
+                return client
+        client = IntoneClient(self.base_url)
+        await client.connect()
+        self.open_streams[client] = 0
+        return client
 
     async def turn(self, text: str, rate: float, result: TurnResult) -> None:
+        client = await self._client()
+        self.open_streams[client] += 1
+        try:
+            await self._turn(client, text, rate, result)
+        finally:
+            self.open_streams[client] -= 1
+
+    async def _turn(self, client, text: str, rate: float, result: TurnResult) -> None:
         from intone.provider import protocol
 
-        if self.client.hello is None:
-            await self.client.connect()
-        stream = await self.client.stream(sample_rate=SAMPLE_RATE, options=dict(self.policy))
+        stream = await client.stream(sample_rate=SAMPLE_RATE, options=dict(self.policy))
 
         async def feed() -> None:
             await speak_llm(text, rate, stream.push_text, result)
@@ -211,7 +231,8 @@ class ClientPath:
             feeding.cancel()
 
     async def close(self) -> None:
-        await self.client.close()
+        for client in self.open_streams:
+            await client.close()
 
 
 class PipecatPath:
