@@ -248,7 +248,13 @@ class ARWorker:
         self.decoder.first_frames_due = any(r.frames_generated == 0 for r in prefill)
         try:
             if prefill:
+                positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
+                started = time.perf_counter()
                 first = run("prefill", "prefill", self.runner.prefill, prefill)
+                if positions:
+                    cost = (time.perf_counter() - started) / positions
+                    scheduler = self.scheduler
+                    scheduler.prefill_position_s = running_mean(scheduler.prefill_position_s, cost)
                 for request, _ in first:
                     request.prompt = None
                     request.phase = Phase.GENERATING

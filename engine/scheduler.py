@@ -17,8 +17,10 @@ Each iteration:
 2. every started clause that still needs its prompt pass joins one packed prefill (and then,
    in the engine, that iteration's AR step: a clause's second latent comes a step sooner), up to
    `max_prefill_tokens` positions; while a stream that plays is near an underrun, up to
-   `max_prefill_rows_near_underrun` clauses, so that a burst of new streams is prefilled in
-   parts with the playing streams' AR steps between them;
+   `max_prefill_rows_near_underrun` clauses and the positions that the recent passes' speed
+   (`prefill_position_s`) says end the pass `PREFILL_MARGIN_S` before that stream runs out (one
+   clause at least), so that a burst of new streams is prefilled in parts with the playing
+   streams' AR steps between them;
 3. AR steps come in bursts: once a prefill pass runs or some generating row is due for a step
    (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
    none may; then no step runs until a row is due again. An AR step's cost is mostly per step,
@@ -46,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.config import URGENT_S, EngineConfig
+from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
@@ -98,6 +100,9 @@ class Scheduler:
         # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `finish`.
         self.voices = voices if voices is not None else VoiceCache(blocks, runner, 0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
+        # Seconds per prompt position of recent prefill passes (the AR stage measures them);
+        # None before the first.
+        self.prefill_position_s: float | None = None
 
     @classmethod
     def from_config(
@@ -309,15 +314,17 @@ class Scheduler:
         if not (prompts or due or bursting):
             prompts = spare_prompts
         prefill, tokens = [], 0
-        playing = (r for r in self.running if r.phase is Phase.GENERATING)
-        most = self.max_active
-        if prompts and any(pacing.lead(r, t) < URGENT_S for r in playing):
+        most, positions = self.max_active, self.max_prefill_tokens
+        playing = [r for r in self.running if r.phase is Phase.GENERATING]
+        least = min((pacing.lead(r, t) for r in playing), default=None)
+        if prompts and least is not None and least < URGENT_S:
             most = self.max_prefill_rows_near_underrun
+            if self.prefill_position_s:
+                affordable = max(least - PREFILL_MARGIN_S, 0.0) / self.prefill_position_s
+                positions = min(positions, int(affordable))
         for request in prompts:
             assert request.prompt is not None
-            if prefill and (
-                tokens + request.prompt.shape[0] > self.max_prefill_tokens or len(prefill) == most
-            ):
+            if prefill and (tokens + request.prompt.shape[0] > positions or len(prefill) == most):
                 break
             prefill.append(request)
             tokens += request.prompt.shape[0]

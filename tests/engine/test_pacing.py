@@ -160,3 +160,27 @@ def test_a_far_ahead_streams_next_clause_waits_for_nobody_else_needing_the_pass(
     new.playback.deliver(1.5, 0.0)  # now past lead_s too: nothing else needs the pass
     batch = sched.schedule(0.1)
     assert batch.prefill == [far] and new in batch.generate
+
+
+def prompted(name: str, positions: int) -> Request:
+    """A stream holding a row whose clause waits for its prompt pass of `positions` positions."""
+    request = stream(name, 0.0)
+    request.phase = Phase.PREFILL
+    request.prompt = torch.zeros(positions, 4)
+    return request
+
+
+def test_a_prefill_pass_beside_a_stream_near_an_underrun_ends_before_that_stream_runs_dry() -> None:
+    """While a stream that plays is near an underrun, a prefill pass takes the clauses that the
+    recent passes' seconds per position say end `PREFILL_MARGIN_S` before that stream's audio
+    runs out, one at least; with no stream near one, all that `max_prefill_tokens` allows."""
+    sched = scheduler(policy("yield"))
+    new = [prompted(f"new{i}", 40) for i in range(4)]
+    sched.running = [stream("playing", 0.24), *new]  # 240 ms ahead of its listener
+    assert sched.schedule(0.0).prefill == new, "no speed measured yet: the row cap alone"
+    sched.prefill_position_s = 0.001  # 40 ms a clause; 240 - 100 ms affords three
+    assert sched.schedule(0.0).prefill == new[:3]
+    sched.prefill_position_s = 0.01  # 400 ms a clause: one, however late
+    assert sched.schedule(0.0).prefill == new[:1]
+    sched.running = [stream("ahead", 0.8), *new]  # nobody near an underrun
+    assert sched.schedule(0.0).prefill == new
