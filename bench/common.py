@@ -59,21 +59,30 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def underran(arrivals: list[tuple[float, int]], slack: float = UNDERRUN_SLACK_S) -> bool:
-    """Whether playback started at the first chunk would ever run dry (by more than `slack`).
+    """Whether playback started at the first chunk would ever run dry (by more than `slack`)."""
+    return first_gap(arrivals, slack) is not None
+
+
+def first_gap(
+    arrivals: list[tuple[float, int]], slack: float = UNDERRUN_SLACK_S
+) -> tuple[float, float] | None:
+    """Where playback started at the first chunk first runs dry by more than `slack`: (seconds of
+    audio played before it, seconds the next chunk came late); None if it never does.
 
     `arrivals`: (arrival time in s, samples in that chunk), in order. Playback of chunk k can start
     once everything before it has played: at t0 + (samples before k) / rate; it underruns when chunk
     k arrives later than that plus the slack.
     """
     if not arrivals:
-        return False
+        return None
     t0 = arrivals[0][0]
     played = 0
     for t, samples in arrivals:
-        if t > t0 + played / SAMPLE_RATE + slack:
-            return True
+        due = t0 + played / SAMPLE_RATE
+        if t > due + slack:
+            return played / SAMPLE_RATE, t - due
         played += samples
-    return False
+    return None
 
 
 def cpu_model() -> str:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common import PROMPTS, SAMPLE_RATE, SEED, percentile, underran
+from common import PROMPTS, SAMPLE_RATE, SEED, first_gap, percentile, underran
 
 PACED_BUFFER_S = 0.2  # a paced client's playout buffer: it reads when less than this is left
 
@@ -174,6 +174,23 @@ async def open_loop(
     return list(await asyncio.gather(*tasks))
 
 
+def underrun_examples(records: list[RequestRecord], start: float, most: int = 5) -> list[dict]:
+    """The first `most` requests (by submission) whose playback ran dry: when each was submitted
+    (seconds after the level's first request), how much audio had played, how late the next came."""
+    examples = []
+    for r in sorted(records, key=lambda r: r.submitted):
+        gap = first_gap(r.arrivals)
+        if gap is not None:
+            played, late = gap
+            examples.append(
+                {"request": r.spec.index, "submitted_s": r.submitted - start,
+                 "played_s": played, "late_s": late}
+            )  # fmt: skip
+        if len(examples) == most:
+            break
+    return examples
+
+
 def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
     """The per-run metrics of the issue, client-side, from the request records."""
     ok = [r for r in records if r.ok]
@@ -231,6 +248,8 @@ def summarize(records: list[RequestRecord], trailing_padding: int = 0) -> dict:
         "rtf_p95": percentile(rtf, 95),
         "underruns": underruns,
         "underrun_rate": underruns / len(ok) if ok else None,
+        # Which requests ran dry, and where: a first wave's, or any.
+        "underrun_examples": underrun_examples(ok, start),
         "interrupted": len(interrupted),
         "wasted_audio_s_mean": sum(wasted) / len(wasted) if wasted else None,
         "wasted_audio_s_p95": percentile(wasted, 95),

@@ -29,6 +29,7 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
         assert run["ttfa_ms_p50"] > 0 and run["latency_ms_p50"] >= run["ttfa_ms_p50"]
         assert run["audio_throughput"] > 0 and run["rtf_p50"] > 0
         assert 0 <= run["underrun_rate"] <= 1
+        assert len(run["underrun_examples"]) == min(run["underruns"], 5)
         assert run["client_cpu_share"] >= 0
     # EOS is off: every mode generates the same audio for the same requests.
     audio = {round(r["audio_s"], 3) for r in runs.values()}
@@ -42,6 +43,20 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
     for name in ("results.md", "ttfa.png", "throughput.png"):
         assert (out / name).stat().st_size > 0
     assert "| batched | c=2 |" in (out / "results.md").read_text()
+
+
+def test_first_gap_says_where_playback_runs_dry():
+    """(audio played, seconds late) of the first chunk that comes after its playback slot."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import SAMPLE_RATE, first_gap, underran
+
+    frame = SAMPLE_RATE // 10  # 100 ms chunks
+    on_time = [(0.0, frame), (0.05, frame), (0.15, frame)]
+    assert first_gap(on_time) is None and not underran(on_time)
+    late = [(0.0, frame), (0.05, frame), (0.45, frame), (0.5, frame)]
+    played, behind = first_gap(late)
+    assert played == 0.2 and abs(behind - 0.25) < 1e-9 and underran(late)
+    assert first_gap([]) is None
 
 
 def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_path: Path):
