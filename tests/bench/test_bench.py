@@ -45,20 +45,6 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
     assert "| batched | c=2 |" in (out / "results.md").read_text()
 
 
-def test_first_gap_says_where_playback_runs_dry():
-    """(audio played, seconds late) of the first chunk that comes after its playback slot."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from common import SAMPLE_RATE, first_gap, underran
-
-    frame = SAMPLE_RATE // 10  # 100 ms chunks
-    on_time = [(0.0, frame), (0.05, frame), (0.15, frame)]
-    assert first_gap(on_time) is None and not underran(on_time)
-    late = [(0.0, frame), (0.05, frame), (0.45, frame), (0.5, frame)]
-    played, behind = first_gap(late)
-    assert played == 0.2 and abs(behind - 0.25) < 1e-9 and underran(late)
-    assert first_gap([]) is None
-
-
 def test_ws_mode_reports_the_servers_share_of_ttfa(tiny_checkpoint: Path, tmp_path: Path):
     """`ws` runs carry the server's own TTFA (from each stream's `done` event) beside the
     client's, so that the transport's share (e.g. Ray's proxy in `ws-ray`) is measured, not
