@@ -315,9 +315,11 @@ class Scheduler:
             prompts = spare_prompts
         prefill, tokens = [], 0
         most, positions = self.max_active, self.max_prefill_tokens
-        playing = [r for r in self.running if r.phase is Phase.GENERATING]
-        least = min((pacing.lead(r, t) for r in playing), default=None)
-        if prompts and least is not None and least < URGENT_S:
+        least = URGENT_S  # the least lead of a stream that plays, where prompts wait
+        if prompts:
+            playing = (r for r in self.running if r.phase is Phase.GENERATING)
+            least = min((pacing.lead(r, t) for r in playing), default=URGENT_S)
+        if least < URGENT_S:
             most = self.max_prefill_rows_near_underrun
             if self.prefill_position_s:
                 affordable = max(least - PREFILL_MARGIN_S, 0.0) / self.prefill_position_s

@@ -717,7 +717,7 @@ def delayed_flushes(caplog: pytest.LogCaptureFixture) -> int:
     return sum(record.getMessage() == DELAYED_FLUSH for record in caplog.records)
 
 
-def assert_livekit_frames(events: list[tts.SynthesizedAudio], delayed_flushes: int = 0) -> None:
+def assert_livekit_frames(events: list[tts.SynthesizedAudio], flushes: int = 0) -> None:
     """LiveKit's own check (tests/test_tts.py in livekit/agents, `_do_stream`): one request id,
     per segment only the last frame final, non-final frames strictly 50-250 ms, the final one
     non-empty and under 250 ms; except the emitter's own 10 ms tails, one per delayed flush it
@@ -734,8 +734,8 @@ def assert_livekit_frames(events: list[tts.SynthesizedAudio], delayed_flushes: i
         assert 0 < final.frame.duration < 0.25
         durations = [e.frame.duration for e in non_final]
         tails = [d for d in durations if d == pytest.approx(EMITTER_TAIL_S)]
-        delayed_flushes -= len(tails)
-        assert delayed_flushes >= 0, f"{len(tails)} 10 ms frames without a delayed flush"
+        flushes -= len(tails)
+        assert flushes >= 0, f"{len(tails)} 10 ms frames without a delayed flush"
         ours = [d for d in durations if d != pytest.approx(EMITTER_TAIL_S)]
         assert all(0.05 < d < 0.25 for d in ours), " ".join(f"{d:.3f}" for d in durations)
 
