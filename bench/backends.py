@@ -220,7 +220,7 @@ class EngineBackend(_LocalModel):
             engine = Engine(loaded, EngineConfig(device=self.device, **self.engine_options))
             engine.add_voice("bench", self.voice_wav)
             engine.start()
-            engine.prepare_decoder()  # as the server and the plugins' prewarm do
+            engine.prepare_traces()  # as the server and the plugins' prewarm do
             return engine
 
         self.engine = await asyncio.to_thread(build)

@@ -122,6 +122,8 @@ def measure(
     slots = [runner.decoder_states.acquire() for _ in range(most)]
     noise = [torch.zeros(latent_dim, device=device) for _ in range(most)]
     latents = torch.zeros(most, DECODE_FRAMES, latent_dim, device=device)
+    # The engine's steps replay a trace (shared with this runner): time that, not eager steps.
+    runner.prepare_step_trace()
     try:
 
         def timed(call) -> float:

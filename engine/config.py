@@ -68,9 +68,9 @@ COST_WEIGHT = 0.2
 # A decode batch is split across cores only into parts of at least this many rows: below it the
 # per-row cost of a decode call climbs.
 DECODE_SPLIT_ROWS = 4
-# Calls of one kind (pool rows in place or gathered) after which the engine's decoder traces it
-# (`EngineConfig.decoder_trace_after`), where `Engine.prepare_decoder` has not: tracing costs what
-# 20-40 eager calls do, so kinds called only now and then stay eager.
+# Calls of one kind (an AR step; a decode call on pool rows in place or gathered) after which the
+# engine traces it (`EngineConfig.trace_after`), where `Engine.prepare_traces` has not: tracing
+# costs what 20-40 eager calls do, so kinds called only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
 # ---- each AR row's context kept dense (engine/model_runner.py, `RowContexts`)
@@ -169,9 +169,11 @@ class EngineConfig:
     # row-frame a call costs about the same from 64 up
     # (bench/results/cpu-2core-epyc-avx512-burst-parts-ab/).
     max_decode_row_frames: int = 64
-    # Calls of one shape after which the CPU decoder replays it as a TorchScript trace, which
-    # does not hold the GIL the AR thread needs (engine/kernels/traces.py); None: eager.
-    decoder_trace_after: int | None = TRACE_AFTER_CALLS
+    # Calls of one kind after which an AR step through the native attention and the CPU
+    # decoder's calls replay as TorchScript traces, which skip Python's dispatch of every
+    # operator and do not hold the GIL the other stage needs (engine/kernels/traces.py); None:
+    # eager.
+    trace_after: int | None = TRACE_AFTER_CALLS
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.
     keep_freed_memory: bool = True
@@ -219,7 +221,7 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1")
-        for name in ("max_rows_per_tenant", "decoder_trace_after"):
+        for name in ("max_rows_per_tenant", "trace_after"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1 or None")

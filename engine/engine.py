@@ -51,7 +51,7 @@ from intone.engine.errors import (
 from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
-from intone.engine.model_runner import ModelRunner, kv_pages
+from intone.engine.model_runner import ModelRunner, kv_pages, new_step_traces
 from intone.engine.options import GenerationOptions
 from intone.engine.pacing import PacingPolicy
 from intone.engine.precision import resolve_precision, serving_model
@@ -102,7 +102,13 @@ class Engine:
         self.model = serving_model(loaded.model, self.device, precision)
         self.blocks = BlockManager(kv_pages(self.model, config), config.page_size)
         make_runner = partial(
-            ModelRunner.from_config, self.model, config, precision, self.io, budget
+            ModelRunner.from_config,
+            self.model,
+            config,
+            precision,
+            self.io,
+            budget,
+            step_traces=new_step_traces(config),
         )
         frame_seconds = self.model.samples_per_frame / self.sample_rate
         # With max_active="auto", what was measured to choose it (None for a number given).
@@ -181,11 +187,13 @@ class Engine:
         self.decoder.start()
         return self
 
-    def prepare_decoder(self) -> None:
-        """Make the decoder's traces now (0.3-1.2 s on 2 cores), so that no served decode call
-        stalls while one is made. The server calls it at startup and the plugins' prewarm with
-        their warm-up; an engine that skips it makes them as it serves (`decoder_trace_after`)."""
-        self.runner.prepare_decoder()
+    def prepare_traces(self) -> None:
+        """Make the AR step's and the decoder's traces now (0.3-1.5 s on 2 cores), so that no
+        served step or decode call stalls while one is made. The server calls it at startup and
+        the plugins' prewarm with their warm-up; an engine that skips it makes them as it serves
+        (`EngineConfig.trace_after`)."""
+        self.runner.prepare_step_trace()
+        self.runner.prepare_decoder_traces()
 
     def close(self) -> None:
         """Stop the threads. Every stream still open ends with EngineClosedError (or the

@@ -32,9 +32,14 @@ from intone.engine.config import (
 )
 from intone.engine.decoder_states import DecoderStatePool
 from intone.engine.device import DeviceIO
-from intone.engine.kernels import row_attention
+from intone.engine.kernels import row_attention, traces
 from intone.engine.kernels.cpu_decoder import CpuDecoder, make_decoder
-from intone.engine.kernels.row_contexts import CONTEXT_RUN, RowContexts, plan_row_context_step
+from intone.engine.kernels.row_contexts import (
+    CONTEXT_RUN,
+    NativeRowAttention,
+    RowContexts,
+    plan_row_context_step,
+)
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
@@ -65,7 +70,8 @@ class GenerateInputs:
 
     previous: torch.Tensor  # [B', latent_dim], B' = rows padded to the batch bucket
     positions: torch.Tensor
-    attention: KVCache  # the engine's RowContextAttention; bench/stages.py --attention: a gather
+    # The engine's NativeRowAttention or RowContextAttention; bench/stages.py --attention: a gather
+    attention: KVCache
     noise: torch.Tensor  # [B', latent_dim]
     eos_thresholds: torch.Tensor  # [B']
     order: torch.Tensor  # [B']
@@ -83,12 +89,16 @@ class ModelRunner:
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
         decoder_int8: bool = False,
-        decoder_trace_after: int | None = None,
+        trace_after: int | None = None,
         thread_budget: ThreadBudget | None = None,
         decode_parts: int = 1,
         native_kernels: bool = True,
         io: DeviceIO | None = None,
+        step_traces: traces.TraceCache | None = None,
     ):
+        """`trace_after`: the CPU decoder's (`EngineConfig.trace_after`); `step_traces`: where
+        AR steps through the native attention are traced (`new_step_traces`), which runners of
+        one model and engine may share."""
         self.model = model
         # Host-side inputs reach the device through it (pinned and asynchronous on a GPU).
         self.io = io or DeviceIO(device)
@@ -111,13 +121,14 @@ class ModelRunner:
         # attends.
         host_contexts = device.type == "cpu" and self.pool.keys.dtype == torch.float32
         self.native_row_attention = native_kernels and host_contexts and row_attention.load()
+        self.step_traces = step_traces if self.native_row_attention else None
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
             model.mimi,
             device,
             int8=decoder_int8,
-            trace_after=decoder_trace_after,
+            trace_after=trace_after,
             native_ops=native_kernels,
         )
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
@@ -140,9 +151,11 @@ class ModelRunner:
         budget: ThreadBudget | None,
         blocks: BlockManager,
         rows: int,
+        step_traces: traces.TraceCache | None = None,
     ) -> ModelRunner:
         """A runner as `config` sets it, over `blocks` with `rows` decoder rows: the engine's, or
-        the admission probe's (`admission.probe`), on a pool of its own."""
+        the admission probe's (`admission.probe`), on a pool of its own; the two share the
+        engine's `step_traces`."""
         return cls(
             model,
             blocks,
@@ -151,13 +164,14 @@ class ModelRunner:
             io.device,
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
-            decoder_trace_after=config.decoder_trace_after,
+            trace_after=config.trace_after,
             thread_budget=budget,
             # With the thread budget, a decode batch runs one part per core, each on one
             # thread (intra-op threads stall on a core that is shared).
             decode_parts=budget.cores if budget and io.device.type == "cpu" else 1,
             native_kernels=config.native_kernels,
             io=io,
+            step_traces=step_traces,
         )
 
     def close(self) -> None:
@@ -287,14 +301,59 @@ class ModelRunner:
         )
 
     @torch.no_grad()
-    def generate_step(self, inputs: GenerateInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latents [B', latent_dim], EOS flags [B'] as bool), on the device."""
-        flow_lm = self.flow_lm
+    def generate_step(
+        self, inputs: GenerateInputs, trace_now: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latents [B', latent_dim], EOS flags [B'] as bool), on the device. Through the native
+        attention, replayed as a trace from `trace_after` steps on (`trace_now`: on this one)."""
         with self._busy():
-            z = flow_lm.backbone(
-                flow_lm.embed_latents(inputs.previous), inputs.positions, inputs.attention
+            attention = inputs.attention
+            if self.step_traces is None or not isinstance(attention, NativeRowAttention):
+                return self._generate(
+                    inputs.previous,
+                    inputs.positions,
+                    attention,
+                    inputs.noise,
+                    inputs.eos_thresholds,
+                )
+            tensors = {
+                "positions": inputs.positions,
+                "noise": inputs.noise,
+                "eos_thresholds": inputs.eos_thresholds,
+                **attention.tensors(),
+            }
+            return self.step_traces(
+                "generate",
+                self._generate_traceable,
+                inputs.previous,
+                tensors,
+                self.flow_lm,
+                trace_now,
             )
-            return self._sample(z, inputs.noise, inputs.eos_thresholds)
+
+    def _generate(
+        self,
+        previous: torch.Tensor,
+        positions: torch.Tensor,
+        attention: KVCache,
+        noise: torch.Tensor,
+        eos_thresholds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flow_lm = self.flow_lm
+        z = flow_lm.backbone(flow_lm.embed_latents(previous), positions, attention)
+        return self._sample(z, noise, eos_thresholds)
+
+    def _generate_traceable(
+        self, previous: torch.Tensor, tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_generate` with every other input in `tensors`, the form a trace records."""
+        return self._generate(
+            previous,
+            tensors["positions"],
+            NativeRowAttention.from_tensors(tensors),
+            tensors["noise"],
+            tensors["eos_thresholds"],
+        )
 
     def generate(
         self, requests: list[Request], noise: list[torch.Tensor]
@@ -379,11 +438,32 @@ class ModelRunner:
         return audio[:, 0], self.decoder_states.histories(state)
 
     @torch.no_grad()
-    def prepare_decoder(self) -> None:
+    def prepare_step_trace(self) -> None:
+        """Make the AR step's trace now, on one row of a scratch pool and context: a step traced
+        on one row replays for any rows and contexts. Otherwise it is made in the step that
+        reaches `trace_after`, a stall of about 20 eager steps for that step's streams."""
+        if self.step_traces is None:
+            return
+        pool = self.flow_lm.new_kv_pool(1, device=self.device)
+        scratch = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
+        _, positions, attention = plan_row_context_step(
+            RowContexts(pool, 1, CONTEXT_RUN), [scratch], [None], native=True, upload=self.io.upload
+        )
+        zeros = torch.zeros(1, self.flow_lm.latent_dim, device=self.device)
+        first = torch.zeros(1, dtype=torch.long, device=self.device)
+        inputs = GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], first, 1, first)
+        try:
+            self.generate_step(inputs, trace_now=True)
+        except Exception:
+            # The step stays eager (traces.TraceCache); a warm-up must not stop serving.
+            logger.warning("AR step trace failed: eager", exc_info=True)
+
+    @torch.no_grad()
+    def prepare_decoder_traces(self) -> None:
         """Make the CPU decoder's traces now, on scratch rows of a pool of its own: a call on
         pool rows in one run (also the kind of detached rows), and one on scattered rows, the
         kinds of state the engine decodes. Otherwise each is made in the call that reaches
-        `decoder_trace_after`, a 0.1-0.4 s stall for that call's streams."""
+        `trace_after`, a 0.1-0.4 s stall for that call's streams."""
         if not isinstance(self.decoder, CpuDecoder) or self.decoder.traces is None:
             return
         scratch = DecoderStatePool(self.decoder, 3, self.device)
@@ -406,6 +486,20 @@ class ModelRunner:
         index = self.io.upload(torch.tensor([slots[i] for i in order]))
         audio = self.decode_step(index, latents[self.io.upload(torch.tensor(order))])
         return audio.index_select(0, self.io.upload(torch.tensor(back)))
+
+
+def new_step_traces(config: EngineConfig) -> traces.TraceCache | None:
+    """Where an engine's runners trace their AR steps, from `config.trace_after` on; None where
+    steps stay eager.
+
+    Through the native attention a step replays as one TorchScript trace, whatever its rows and
+    contexts (traces.py: sizes flow through it). Eager, a full-size step of one row spent about
+    4 of its 14 ms dispatching its ~700 operators from Python with the GIL held, which the
+    decoder's thread and the callers' loop wait for.
+    """
+    if config.trace_after is None or not traces.available():
+        return None
+    return traces.TraceCache(config.trace_after)
 
 
 def kv_pages(model: PocketTTS, config: EngineConfig) -> int:

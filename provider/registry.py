@@ -183,7 +183,7 @@ def warm_up(engine: Engine) -> None:
     The generation runs on a thread of its own with a private event loop, so it works whether
     or not the caller is inside one.
     """
-    engine.prepare_decoder()
+    engine.prepare_traces()
     if engine.default_voice is None:
         logger.debug("no default voice: skipping the warm-up")
         return

@@ -7,7 +7,7 @@ each row's context instead, one position appended a step, and reads it in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -160,14 +160,12 @@ def _rounded(length: int) -> int:
 
 @dataclass
 class RowContextAttention:
-    """Attention for a decode step through `RowContexts` (implements `KVCache`): row i reads
-    context i.
+    """Attention for a decode step through `RowContexts` in torch (implements `KVCache`): row i
+    reads context i, `length` positions of it, masked by `bias`.
 
     Each layer writes the rows' new keys/values to the pool and to their contexts, then attends
-    over the contexts, the query heads of a group sharing their KV head, softmax in float32
-    whatever the KV dtype: with `native`, through row_attention's operators (each row up to its
-    own length), else in torch over views of the contexts, `length` positions each, masked by
-    `bias`.
+    over views of the contexts, the query heads of a group sharing their KV head, softmax in
+    float32 whatever the KV dtype.
     """
 
     pool: KVPool
@@ -177,27 +175,8 @@ class RowContextAttention:
     positions: torch.Tensor  # [B]: the same position in the row's context
     length: int  # keys read per row: the longest row, maybe rounded up
     bias: torch.Tensor  # [B, 1, 1, length]: 0 where a row may see a key, -inf elsewhere
-    lengths: torch.Tensor  # [B] (int64): keys row i reads, its own position included
-    native: bool = False
-    # With `native`: where each row's new position starts in a layer of the pool and of the
-    # contexts, in elements.
-    pool_offsets: torch.Tensor = field(init=False)
-    context_offsets: torch.Tensor = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.native:
-            dim = self.pool.keys.shape[-1]
-            self.pool_offsets = (self.write_slots * dim).contiguous()
-            context_stride = self.contexts.keys.stride(1)
-            self.context_offsets = (self.rows * context_stride + self.positions * dim).contiguous()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            keys, values = self.contexts.keys[layer], self.contexts.values[layer]
-            for new, pool, contexts in ((k, self.pool.keys, keys), (v, self.pool.values, values)):
-                row_attention.store(new, pool[layer], self.pool_offsets)
-                row_attention.store(new, contexts, self.context_offsets)
-            return row_attention.attend(q, keys, values, self.lengths)
         self.pool.store(layer, self.write_slots, k, v)
         self.contexts.store(layer, self.rows, self.positions, k, v)
         rows, heads, dim = q.shape
@@ -209,6 +188,41 @@ class RowContextAttention:
         return torch.matmul(probs, values).view(rows, heads, dim)
 
 
+@dataclass
+class NativeRowAttention:
+    """The same attention through row_attention's operators, each row read up to its own
+    length (implements `KVCache`).
+
+    It holds tensors only, no sizes and no owners of them: every value it uses reaches the
+    operators as a tensor, so an AR step through it can be replayed as a trace with these as
+    the trace's inputs (`tensors`, `from_tensors`), whatever the contexts' reservation is then.
+    """
+
+    pool_keys: torch.Tensor  # [layers, kv_heads, slots, D]: the pool
+    pool_values: torch.Tensor
+    context_keys: torch.Tensor  # [layers, contexts, kv_heads, capacity, D]: RowContexts'
+    context_values: torch.Tensor
+    pool_offsets: torch.Tensor  # [B]: where each row's new position starts in a pool layer
+    context_offsets: torch.Tensor  # [B]: and in a layer of the contexts, in elements
+    lengths: torch.Tensor  # [B] (int64): keys row i reads, its own position included
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.context_keys[layer], self.context_values[layer]
+        row_attention.store(k, self.pool_keys[layer], self.pool_offsets)
+        row_attention.store(k, keys, self.context_offsets)
+        row_attention.store(v, self.pool_values[layer], self.pool_offsets)
+        row_attention.store(v, values, self.context_offsets)
+        return row_attention.attend(q, keys, values, self.lengths)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> NativeRowAttention:
+        """The attention of `tensors()`; entries of other names are left out."""
+        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+
+
 def plan_row_context_step(
     contexts: RowContexts,
     steps: list[SequenceStep],
@@ -216,7 +230,7 @@ def plan_row_context_step(
     key_multiple: int = 1,
     native: bool = False,
     upload: Upload | None = None,
-) -> tuple[list[int], torch.Tensor, RowContextAttention]:
+) -> tuple[list[int], torch.Tensor, RowContextAttention | NativeRowAttention]:
     """(order, positions [B], attention) for a decode step (one new position per sequence)
     through `contexts`. The step runs its rows in `order` (order[i]: the step in context i), so
     its inputs and outputs are in that order; `owners` as in `RowContexts.seat`; `native`: attend
@@ -230,18 +244,34 @@ def plan_row_context_step(
     steps = [steps[i] for i in order]
     lengths = torch.tensor([len(s.slots) for s in steps])
     positions = lengths - 1
+    write_slots = torch.cat([s.slots[-1:] for s in steps])
+    device_positions = to_device(positions)
+    if native:
+        dim = contexts.keys.shape[-1]
+        rows = torch.arange(len(steps))
+        context_offsets = rows * contexts.keys.stride(1) + positions * dim
+        return (
+            order,
+            device_positions,
+            NativeRowAttention(
+                contexts.pool.keys,
+                contexts.pool.values,
+                contexts.keys,
+                contexts.values,
+                to_device(write_slots * dim),
+                to_device(context_offsets),
+                to_device(lengths),
+            ),
+        )
     visible = torch.arange(longest)[None, :] < lengths[:, None]
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    device_positions = to_device(positions)
     attention = RowContextAttention(
         contexts.pool,
         contexts,
-        to_device(torch.cat([s.slots[-1:] for s in steps])),
+        to_device(write_slots),
         torch.arange(len(steps), device=device),
         device_positions,
         longest,
         to_device(bias[:, None, None]),
-        to_device(lengths),
-        native,
     )
     return order, device_positions, attention

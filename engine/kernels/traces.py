@@ -11,7 +11,7 @@ step 15.6.
 
 A key's first `trace_after - 1` calls run eagerly; the next is traced as it runs (its output and
 state updates are the call's own), and later calls replay that trace; a call with `trace_now`
-traces at once (the engine's warm-up, `Engine.prepare_decoder`). Tracing costs what 20-40 eager
+traces at once (the engine's warm-up, `Engine.prepare_traces`). Tracing costs what 20-40 eager
 calls do (~150-300 ms for a tiny decoder's call of 5-20 ms, then one replay of 25-45 ms), so
 only keys the engine calls again and again are worth it: a short-lived engine (a test's) that
 skips the warm-up runs eagerly. A trace records the tensor operations only, so it holds for
@@ -45,7 +45,9 @@ from intone.engine.models.pocket.conv import State
 
 logger = logging.getLogger(__name__)
 
-StateFunction = Callable[[torch.Tensor, State], torch.Tensor]
+# What a traced function returns: a tensor, or a tuple of them.
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+StateFunction = Callable[[torch.Tensor, State], Output]
 
 
 def available() -> bool:
@@ -61,9 +63,9 @@ class _Recorded(nn.Module):
         self.fn = fn
         self.names = names
         self.modules_called = modules
-        self.outputs: list[torch.Tensor] = []
+        self.outputs: list[Output] = []
 
-    def forward(self, x: torch.Tensor, *entries: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *entries: torch.Tensor) -> Output:
         out = self.fn(x, dict(zip(self.names, entries, strict=True)))
         self.outputs.append(out)
         return out
@@ -77,7 +79,7 @@ class TraceCache:
         if trace_after < 1:
             raise ValueError(f"trace_after must be at least 1, got {trace_after}")
         self.trace_after = trace_after
-        self._traces: dict[Hashable, Callable[..., torch.Tensor]] = {}
+        self._traces: dict[Hashable, Callable[..., Output]] = {}
         self._eager_calls: Counter[Hashable] = Counter()
         # Keys whose trace failed stay eager: a shape the tracer cannot follow must not fail
         # every later call of it.
@@ -95,7 +97,7 @@ class TraceCache:
         state: State,
         modules: nn.Module | None = None,
         trace_now: bool = False,
-    ) -> torch.Tensor:
+    ) -> Output:
         """`modules`: those `fn` calls (the tracer follows only modules registered under the
         traced one). `trace_now`: trace an untraced key on this call, whatever its count."""
         names = sorted(state)
@@ -130,7 +132,7 @@ class TraceCache:
         x: torch.Tensor,
         entries: list[torch.Tensor],
         modules: nn.Module | None,
-    ) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
+    ) -> tuple[Output, Callable[..., Output]]:
         recorded = _Recorded(fn, names, modules)
         with warnings.catch_warnings():
             # The tracer warns of every Python branch on a size (the key covers those) and that

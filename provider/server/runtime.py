@@ -302,7 +302,7 @@ class Runtime:
             logger.info("engine built in %.1f s", time.perf_counter() - started)
         engine = served.engine
         engine.start()
-        await asyncio.to_thread(engine.prepare_decoder)
+        await asyncio.to_thread(engine.prepare_traces)
         if self._voices_dir is not None:
             await asyncio.to_thread(add_voice_dir, engine, self._voices_dir)
         known = known_voices(engine)

@@ -85,13 +85,15 @@ MIXED_PLAN = [
 
 
 @pytest.mark.parametrize(
-    ("temperature", "chain_frames", "batch_buckets"),
+    ("temperature", "chain_frames", "batch_buckets", "traced"),
     [
-        (0.0, 4, None),
-        (0.0, 0, None),
-        (0.3, 4, None),
-        (0.3, 0, None),
-        (0.3, 4, (2, 4, 8, 16)),  # AR batches padded to fixed sizes
+        (0.0, 4, None, False),
+        (0.0, 0, None, False),
+        (0.3, 4, None, False),
+        (0.3, 0, None, False),
+        (0.3, 4, (2, 4, 8, 16), False),  # AR batches padded to fixed sizes
+        # Every AR step and decode call replays a trace made on scratch rows before serving.
+        (0.3, 4, None, True),
     ],
 )
 async def test_concurrent_requests_equal_the_single_path(
@@ -100,8 +102,13 @@ async def test_concurrent_requests_equal_the_single_path(
     temperature: float,
     chain_frames: int,
     batch_buckets: tuple[int, ...] | None,
+    traced: bool,
 ) -> None:
-    engine = make_engine(batch_buckets=batch_buckets)
+    engine = make_engine(batch_buckets=batch_buckets, trace_after=1 if traced else None)
+    if traced:
+        engine.prepare_traces()
+        step_traces = engine.runner.step_traces
+        assert step_traces is not None and len(step_traces) == 1
     floor = voice_pages(engine)
     assert engine.metrics()["kv_pages_in_use"] == floor
     jobs = [

@@ -137,10 +137,10 @@ def test_soak(tiny_checkpoint: Path) -> None:
     engine = Engine(
         load_model(tiny_checkpoint),
         # Decoder traces made before serving, as the server does, and at once for any kind
-        # prepare_decoder did not make (trace_after=1).
-        EngineConfig(num_pages=256, max_active=8, max_queued=64, decoder_trace_after=1),
+        # prepare_traces did not make (trace_after=1).
+        EngineConfig(num_pages=256, max_active=8, max_queued=64, trace_after=1),
     ).start()
-    engine.prepare_decoder()
+    engine.prepare_traces()
     try:
         asyncio.run(soak(engine))
     finally:

@@ -229,41 +229,46 @@ def test_one_trace_serves_every_frame_count(full_checkpoint):
     assert len(traced.traces) == 2  # the transformer part and the SEANet
 
 
-def test_prepare_decoder_makes_every_trace_the_engine_calls(tiny_checkpoint):
-    """After `Engine.prepare_decoder`, none of the engine's kinds of decode call makes a trace
-    (with `decoder_trace_after=1` an unprepared kind would make one at once): rows in one run
-    of slots, scattered slots and detached rows, of any count and frames. Calling it again
-    makes nothing new."""
-    engine = Engine(load_model(tiny_checkpoint), EngineConfig(decoder_trace_after=1))
+def test_prepare_traces_makes_every_trace_the_engine_calls(tiny_checkpoint):
+    """After `Engine.prepare_traces`, none of the engine's kinds of decode call makes a trace
+    (with `trace_after=1` an unprepared kind would make one at once): rows in one run
+    of slots, scattered slots and detached rows, of any count and frames; nor does its AR step
+    (tests/kernels/test_step_trace.py). Calling it again makes nothing new."""
+    engine = Engine(load_model(tiny_checkpoint), EngineConfig(trace_after=1))
     runner = engine.runner
     try:
-        engine.prepare_decoder()
+        engine.prepare_traces()
         traces = runner.decoder.traces
         assert len(traces) == 3  # the transformer part in place and gathered, and the SEANet
+        assert runner.step_traces is not None and len(runner.step_traces) == 1
         slots = [runner.decoder_states.acquire() for _ in range(5)]
         latent_dim = runner.flow_lm.latent_dim
         for chosen, frames in ((slots[1:4], 2), ([slots[0], slots[3]], 1), (slots, 4)):
             audio = runner.decode(chosen, torch.randn(len(chosen), frames, latent_dim))
             assert audio.shape == (len(chosen), frames * runner.decoder.samples_per_frame)
         runner.decode_detached(torch.randn(1, 1, latent_dim), [None])
-        engine.prepare_decoder()
-        assert len(traces) == 3
+        engine.prepare_traces()
+        assert len(traces) == 3 and len(runner.step_traces) == 1
     finally:
         engine.close()
 
 
 def test_engine_decoder_traces_as_configured(tiny_checkpoint):
-    """`EngineConfig.decoder_trace_after` reaches the CPU decoder; None keeps it eager, and a
-    count under 1 is refused."""
-    with pytest.raises(ValueError, match="decoder_trace_after"):
-        EngineConfig(decoder_trace_after=0).validate()
+    """`EngineConfig.trace_after` reaches the CPU decoder and the AR step; None keeps them
+    eager, and a count under 1 is refused."""
+    with pytest.raises(ValueError, match="trace_after"):
+        EngineConfig(trace_after=0).validate()
     loaded = load_model(tiny_checkpoint)
     for trace_after in (None, 5):
-        engine = Engine(loaded, EngineConfig(torch_threads=0, decoder_trace_after=trace_after))
+        engine = Engine(loaded, EngineConfig(torch_threads=0, trace_after=trace_after))
         try:
             traces = engine.runner.decoder.traces
             assert (traces is None) == (trace_after is None)
             assert traces is None or traces.trace_after == 5
+            step_traces = engine.runner.step_traces
+            native = engine.runner.native_row_attention  # eager in torch without it
+            assert (step_traces is None) == (trace_after is None or not native)
+            assert step_traces is None or step_traces.trace_after == 5
         finally:
             engine.close()
 
