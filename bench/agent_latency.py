@@ -101,16 +101,17 @@ class TurnResult:
             return None
         return (self.first_audio_at - self.first_token_at) * 1000
 
-    def dry_gaps(self) -> list[float]:
-        """Silences a real-time listener would hear after the first audio, in seconds."""
-        gaps = []
+    def dry_gaps(self) -> list[tuple[float, float, float]]:
+        """Silences a real-time listener would hear after the first audio: (how long, how much
+        audio had played before it, when it ended), in seconds."""
+        gaps: list[tuple[float, float, float]] = []
         if not self.arrivals:
             return gaps
         start, played = self.arrivals[0][0], 0.0
         for at, seconds in self.arrivals:
             late = at - (start + played)
             if late > DRY_SLACK_S:
-                gaps.append(late)
+                gaps.append((late, played, at))
                 start += late  # the listener waited, then played on
             played += seconds
         return gaps
@@ -344,15 +345,64 @@ async def run_level(
     return results
 
 
-def summarise(results: list[TurnResult]) -> dict:
+class LoopLoad:
+    """How late this event loop runs its callbacks, and how much CPU its thread takes: a task
+    that asks to wake every `PERIOD_S` records by how much it overslept. A gap in a turn's audio
+    while the loop was that late is (at least partly) the loop's, not the engine's: the
+    in-process paths deliver audio on it. The thread's CPU is what the framework and the callers
+    take from the cores the engine shares."""
+
+    PERIOD_S = 0.005
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (when it woke, how late)
+        self.cpu_cores: float | None = None  # the loop thread's CPU seconds per second
+        self._task: asyncio.Task | None = None
+        self._started = (0.0, 0.0)
+
+    async def _run(self) -> None:
+        while True:
+            asked = time.monotonic() + self.PERIOD_S
+            await asyncio.sleep(self.PERIOD_S)
+            woke = time.monotonic()
+            self.samples.append((woke, woke - asked))
+
+    def __enter__(self) -> LoopLoad:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._started = (time.thread_time(), time.monotonic())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        cpu, wall = self._started
+        self.cpu_cores = (time.thread_time() - cpu) / (time.monotonic() - wall)
+
+    def worst_between(self, start: float, end: float) -> float:
+        """The longest lag that overlaps [start, end]."""
+        return max(
+            (lag for woke, lag in self.samples if woke >= start and woke - lag <= end), default=0.0
+        )
+
+
+def summarise(results: list[TurnResult], loop: LoopLoad) -> dict:
     ok = [r for r in results if r.error is None and r.latency_ms is not None]
     latencies = [r.latency_ms for r in ok]
     words = [len(r.first_clause.split()) for r in ok if r.first_clause]
     dry = [
-        {"reply": r.reply, "gaps_ms": [round(g * 1000) for g in r.dry_gaps()]}
+        {
+            "reply": r.reply,
+            "gaps_ms": [round(g * 1000) for g, _, _ in r.dry_gaps()],
+            "after_audio_s": [round(played, 2) for _, played, _ in r.dry_gaps()],
+            # The event loop's worst lag during each gap (LoopLoad).
+            "loop_lag_ms": [
+                round(loop.worst_between(at - g, at) * 1000) for g, _, at in r.dry_gaps()
+            ],
+        }
         for r in ok
         if r.dry_gaps()
     ]
+    lags = [lag for _, lag in loop.samples]
     return {
         "turns": len(results),
         "errors": [r.error for r in results if r.error],
@@ -362,6 +412,9 @@ def summarise(results: list[TurnResult]) -> dict:
         "first_clause_words_p50": percentile(words, 50),
         "first_clause_words_max": max(words) if words else None,
         "dry_turns": dry,
+        "loop_lag_ms_p99": percentile([1000 * x for x in lags], 99),
+        "loop_lag_ms_max": 1000 * max(lags) if lags else None,
+        "loop_thread_cpu_cores": loop.cpu_cores,
     }
 
 
@@ -409,14 +462,18 @@ async def amain(args: argparse.Namespace) -> dict:
                 await path.turn(REPLIES[0], 100.0, warm)  # connections, traces, first calls
                 for rate in [float(r) for r in args.rates.split(",")]:
                     for c in [int(c) for c in args.concurrency.split(",")]:
-                        results = await run_level(
-                            path, name, rate, c, args.turns, args.stall_s, seed=c
-                        )
-                        summary = summarise(results)
+                        with LoopLoad() as loop:
+                            results = await run_level(
+                                path, name, rate, c, args.turns, args.stall_s, seed=c
+                            )
+                        summary = summarise(results, loop)
                         print(
                             f"{name} {rate:g} tok/s c={c}: p50 {summary['p50_ms']:.0f} ms "
                             f"p95 {summary['p95_ms']:.0f} ms, dry {len(summary['dry_turns'])}, "
-                            f"errors {len(summary['errors'])}",
+                            f"errors {len(summary['errors'])}, event loop lag p99 "
+                            f"{summary['loop_lag_ms_p99']:.0f} ms, "
+                            f"max {summary['loop_lag_ms_max']:.0f} ms, its thread "
+                            f"{summary['loop_thread_cpu_cores']:.2f} cores",
                             flush=True,
                         )
                         runs.append(
