@@ -65,6 +65,7 @@ def build(model_dir: str, device: str, max_rows: int, context: int, engine_optio
         **{"torch_threads": 0, "max_active": max(max_rows, 16), **engine_options},
     )
     engine = Engine(load_model(model_dir, device=device), config)
+    engine.prepare_traces()  # as the server and the plugins' prewarm do: calls replay traces
     runner = engine.runner
     flow_lm = runner.flow_lm
 
