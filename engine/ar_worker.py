@@ -232,16 +232,19 @@ class ARWorker:
         prefill = self._prepare(prefill, noise_of)
         generate = self._prepare(generate, noise_of)
 
-        def run(stage: str, what: str, call, batch: list[Request]) -> list:
+        def run(stage: str, what: str, call, batch: list[Request]) -> tuple[list, float]:
+            """The rows done, and the pass's seconds."""
+
             def step(rows: list[Request]) -> list[tuple[torch.Tensor, bool]]:
                 latents, eos = call(rows, [noise_of[r.id] for r in rows])
                 return list(zip(latents, self.io.values(eos), strict=True))
 
             started = time.perf_counter()
             done, failures = run_rows(step, batch)
-            self.metrics.step(stage, len(batch), time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.step(stage, len(batch), seconds)
             self._fail_rows(what, failures)
-            return done
+            return done, seconds
 
         self.rows_generating = len(prefill) + len(generate)
         # The decoder keeps a core free while new streams' first frames are computed.
@@ -249,12 +252,12 @@ class ARWorker:
         try:
             if prefill:
                 positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
-                started = time.perf_counter()
-                first = run("prefill", "prefill", self.runner.prefill, prefill)
+                first, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
                 if positions:
-                    cost = (time.perf_counter() - started) / positions
                     scheduler = self.scheduler
-                    scheduler.prefill_position_s = running_mean(scheduler.prefill_position_s, cost)
+                    scheduler.prefill_position_s = running_mean(
+                        scheduler.prefill_position_s, seconds / positions
+                    )
                 for request, _ in first:
                     request.prompt = None
                     request.phase = Phase.GENERATING
@@ -272,7 +275,8 @@ class ARWorker:
                     ]
                 generate += self._prepare(joining, noise_of)
             if generate:
-                self._emit(run("generate", "AR step", self.runner.generate, generate))
+                done, _ = run("generate", "AR step", self.runner.generate, generate)
+                self._emit(done)
         finally:
             self.decoder.first_frames_due = False
 
