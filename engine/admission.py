@@ -123,7 +123,7 @@ def measure(
     noise = [torch.zeros(latent_dim, device=device) for _ in range(most)]
     latents = torch.zeros(most, DECODE_FRAMES, latent_dim, device=device)
     # The engine's steps replay a trace (shared with this runner): time that, not eager steps.
-    runner.prepare_step_trace()
+    runner.prepare_ar_traces()
     try:
 
         def timed(call) -> float:

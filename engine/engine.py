@@ -51,7 +51,7 @@ from intone.engine.errors import (
 from intone.engine.events import AudioChunk, ClauseDone
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.metrics import EngineMetrics
-from intone.engine.model_runner import ModelRunner, kv_pages, new_step_traces
+from intone.engine.model_runner import ModelRunner, kv_pages, new_ar_traces
 from intone.engine.options import GenerationOptions
 from intone.engine.pacing import PacingPolicy
 from intone.engine.precision import resolve_precision, serving_model
@@ -108,7 +108,7 @@ class Engine:
             precision,
             self.io,
             budget,
-            step_traces=new_step_traces(config),
+            ar_traces=new_ar_traces(config),
         )
         frame_seconds = self.model.samples_per_frame / self.sample_rate
         # With max_active="auto", what was measured to choose it (None for a number given).
@@ -192,7 +192,7 @@ class Engine:
         served step or decode call stalls while one is made. The server calls it at startup and
         the plugins' prewarm with their warm-up; an engine that skips it makes them as it serves
         (`EngineConfig.trace_after`)."""
-        self.runner.prepare_step_trace()
+        self.runner.prepare_ar_traces()
         self.runner.prepare_decoder_traces()
 
     def close(self) -> None:

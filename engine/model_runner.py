@@ -42,7 +42,13 @@ from intone.engine.kernels.row_contexts import (
 )
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
-from intone.engine.models.pocket.kv_cache import SequenceStep, SlotAttention, plan_step
+from intone.engine.models.pocket.kv_cache import (
+    SequenceAttention,
+    SequenceStep,
+    SlotAttention,
+    VarlenAttention,
+    plan_step,
+)
 from intone.engine.models.pocket.model import PocketTTS
 from intone.engine.models.pocket.transformer import KVCache
 from intone.engine.precision import Precision
@@ -57,7 +63,7 @@ logger = logging.getLogger(__name__)
 class PrefillInputs:
     prompts: torch.Tensor  # [N, D]: each request's prompt, then its first AR step's BOS input
     positions: torch.Tensor
-    attention: SlotAttention
+    attention: SlotAttention | SequenceAttention  # the latter for a pass of one sequence
     last: torch.Tensor  # [B]: each sequence's last row, its first AR step
     noise: torch.Tensor  # [B, latent_dim]
     eos_thresholds: torch.Tensor  # [B]
@@ -94,10 +100,10 @@ class ModelRunner:
         decode_parts: int = 1,
         native_kernels: bool = True,
         io: DeviceIO | None = None,
-        step_traces: traces.TraceCache | None = None,
+        ar_traces: traces.TraceCache | None = None,
     ):
-        """`trace_after`: the CPU decoder's (`EngineConfig.trace_after`); `step_traces`: where
-        AR steps through the native attention are traced (`new_step_traces`), which runners of
+        """`trace_after`: the CPU decoder's (`EngineConfig.trace_after`); `ar_traces`: where
+        AR steps through the native attention are traced (`new_ar_traces`), which runners of
         one model and engine may share."""
         self.model = model
         # Host-side inputs reach the device through it (pinned and asynchronous on a GPU).
@@ -121,7 +127,7 @@ class ModelRunner:
         # attends.
         host_contexts = device.type == "cpu" and self.pool.keys.dtype == torch.float32
         self.native_row_attention = native_kernels and host_contexts and row_attention.load()
-        self.step_traces = step_traces if self.native_row_attention else None
+        self.ar_traces = ar_traces if self.native_row_attention else None
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
@@ -151,11 +157,11 @@ class ModelRunner:
         budget: ThreadBudget | None,
         blocks: BlockManager,
         rows: int,
-        step_traces: traces.TraceCache | None = None,
+        ar_traces: traces.TraceCache | None = None,
     ) -> ModelRunner:
         """A runner as `config` sets it, over `blocks` with `rows` decoder rows: the engine's, or
         the admission probe's (`admission.probe`), on a pool of its own; the two share the
-        engine's `step_traces`."""
+        engine's `ar_traces`."""
         return cls(
             model,
             blocks,
@@ -171,7 +177,7 @@ class ModelRunner:
             decode_parts=budget.cores if budget and io.device.type == "cpu" else 1,
             native_kernels=config.native_kernels,
             io=io,
-            step_traces=step_traces,
+            ar_traces=ar_traces,
         )
 
     def close(self) -> None:
@@ -227,6 +233,8 @@ class ModelRunner:
             )
             prompts += [request.prompt, self.bos_input]
         positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
+        if isinstance(attention, VarlenAttention) and len(steps) == 1:
+            attention = attention.only_sequence()  # the same pass, and one a trace replays
         ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
         return PrefillInputs(
             torch.cat(prompts),
@@ -238,11 +246,59 @@ class ModelRunner:
         )
 
     @torch.no_grad()
-    def prefill_step(self, inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first latents [B, latent_dim], EOS flags [B] as bool), on the device."""
+    def prefill_step(
+        self, inputs: PrefillInputs, trace_now: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first latents [B, latent_dim], EOS flags [B] as bool), on the device. A pass of one
+        sequence replays a trace from `trace_after` passes on (`trace_now`: on this one),
+        whatever its prompt and context; a packed pass of several runs eagerly (its split into
+        sequences is Python's)."""
         with self._busy():
-            z = self.flow_lm.backbone(inputs.prompts, inputs.positions, inputs.attention)
-            return self._sample(z.index_select(0, inputs.last), inputs.noise, inputs.eos_thresholds)
+            attention = inputs.attention
+            if self.ar_traces is None or not isinstance(attention, SequenceAttention):
+                return self._prefill(
+                    inputs.prompts,
+                    inputs.positions,
+                    attention,
+                    inputs.last,
+                    inputs.noise,
+                    inputs.eos_thresholds,
+                )
+            tensors = {
+                "positions": inputs.positions,
+                "last": inputs.last,
+                "noise": inputs.noise,
+                "eos_thresholds": inputs.eos_thresholds,
+                **attention.tensors(),
+            }
+            return self.ar_traces(
+                "prefill", self._prefill_traceable, inputs.prompts, tensors, self.flow_lm, trace_now
+            )
+
+    def _prefill(
+        self,
+        prompts: torch.Tensor,
+        positions: torch.Tensor,
+        attention: KVCache,
+        last: torch.Tensor,
+        noise: torch.Tensor,
+        eos_thresholds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.flow_lm.backbone(prompts, positions, attention)
+        return self._sample(z.index_select(0, last), noise, eos_thresholds)
+
+    def _prefill_traceable(
+        self, prompts: torch.Tensor, tensors: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_prefill` with every other input in `tensors`, the form a trace records."""
+        return self._prefill(
+            prompts,
+            tensors["positions"],
+            SequenceAttention.from_tensors(tensors),
+            tensors["last"],
+            tensors["noise"],
+            tensors["eos_thresholds"],
+        )
 
     def prefill(
         self, requests: list[Request], noise: list[torch.Tensor]
@@ -308,7 +364,7 @@ class ModelRunner:
         attention, replayed as a trace from `trace_after` steps on (`trace_now`: on this one)."""
         with self._busy():
             attention = inputs.attention
-            if self.step_traces is None or not isinstance(attention, NativeRowAttention):
+            if self.ar_traces is None or not isinstance(attention, NativeRowAttention):
                 return self._generate(
                     inputs.previous,
                     inputs.positions,
@@ -322,7 +378,7 @@ class ModelRunner:
                 "eos_thresholds": inputs.eos_thresholds,
                 **attention.tensors(),
             }
-            return self.step_traces(
+            return self.ar_traces(
                 "generate",
                 self._generate_traceable,
                 inputs.previous,
@@ -438,25 +494,37 @@ class ModelRunner:
         return audio[:, 0], self.decoder_states.histories(state)
 
     @torch.no_grad()
-    def prepare_step_trace(self) -> None:
-        """Make the AR step's trace now, on one row of a scratch pool and context: a step traced
-        on one row replays for any rows and contexts. Otherwise it is made in the step that
-        reaches `trace_after`, a stall of about 20 eager steps for that step's streams."""
-        if self.step_traces is None:
+    def prepare_ar_traces(self) -> None:
+        """Make the AR stage's traces now, on a scratch pool and context: the AR step's on one
+        row, which replays for any rows and contexts, and a prompt pass's on one sequence of two
+        positions, which replays for any prompt and context. Otherwise each is made in the call
+        that reaches `trace_after`, a stall of about 20 eager calls for that call's streams."""
+        if self.ar_traces is None:
             return
-        pool = self.flow_lm.new_kv_pool(1, device=self.device)
-        scratch = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
+        pool = self.flow_lm.new_kv_pool(2, device=self.device)
+        step = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
         _, positions, attention = plan_row_context_step(
-            RowContexts(pool, 1, CONTEXT_RUN), [scratch], [None], native=True, upload=self.io.upload
+            RowContexts(pool, 1, CONTEXT_RUN), [step], [None], native=True, upload=self.io.upload
         )
         zeros = torch.zeros(1, self.flow_lm.latent_dim, device=self.device)
         first = torch.zeros(1, dtype=torch.long, device=self.device)
-        inputs = GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], first, 1, first)
-        try:
-            self.generate_step(inputs, trace_now=True)
-        except Exception:
-            # The step stays eager (traces.TraceCache); a warm-up must not stop serving.
-            logger.warning("AR step trace failed: eager", exc_info=True)
+        generate = GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], first, 1, first)
+        prompt = SequenceStep(torch.arange(2), 2)
+        positions, packed = plan_step(pool, [prompt], upload=self.io.upload)
+        assert isinstance(packed, VarlenAttention)
+        prompts = torch.zeros(2, self.bos_input.shape[-1], device=self.device)
+        prefill = PrefillInputs(
+            prompts, positions, packed.only_sequence(), first + 1, zeros, zeros[:, 0]
+        )
+        for name, call in (
+            ("AR step", lambda: self.generate_step(generate, trace_now=True)),
+            ("prompt pass", lambda: self.prefill_step(prefill, trace_now=True)),
+        ):
+            try:
+                call()
+            except Exception:
+                # It stays eager (traces.TraceCache); a warm-up must not stop serving.
+                logger.warning("%s trace failed: eager", name, exc_info=True)
 
     @torch.no_grad()
     def prepare_decoder_traces(self) -> None:
@@ -488,7 +556,7 @@ class ModelRunner:
         return audio.index_select(0, self.io.upload(torch.tensor(back)))
 
 
-def new_step_traces(config: EngineConfig) -> traces.TraceCache | None:
+def new_ar_traces(config: EngineConfig) -> traces.TraceCache | None:
     """Where an engine's runners trace their AR steps, from `config.trace_after` on; None where
     steps stay eager.
 

@@ -107,8 +107,8 @@ async def test_concurrent_requests_equal_the_single_path(
     engine = make_engine(batch_buckets=batch_buckets, trace_after=1 if traced else None)
     if traced:
         engine.prepare_traces()
-        step_traces = engine.runner.step_traces
-        assert step_traces is not None and len(step_traces) == 1
+        ar_traces = engine.runner.ar_traces
+        assert ar_traces is not None and len(ar_traces) == 2
     floor = voice_pages(engine)
     assert engine.metrics()["kv_pages_in_use"] == floor
     jobs = [

@@ -240,7 +240,7 @@ def test_prepare_traces_makes_every_trace_the_engine_calls(tiny_checkpoint):
         engine.prepare_traces()
         traces = runner.decoder.traces
         assert len(traces) == 3  # the transformer part in place and gathered, and the SEANet
-        assert runner.step_traces is not None and len(runner.step_traces) == 1
+        assert runner.ar_traces is not None and len(runner.ar_traces) == 2  # step, prompt pass
         slots = [runner.decoder_states.acquire() for _ in range(5)]
         latent_dim = runner.flow_lm.latent_dim
         for chosen, frames in ((slots[1:4], 2), ([slots[0], slots[3]], 1), (slots, 4)):
@@ -248,7 +248,7 @@ def test_prepare_traces_makes_every_trace_the_engine_calls(tiny_checkpoint):
             assert audio.shape == (len(chosen), frames * runner.decoder.samples_per_frame)
         runner.decode_detached(torch.randn(1, 1, latent_dim), [None])
         engine.prepare_traces()
-        assert len(traces) == 3 and len(runner.step_traces) == 1
+        assert len(traces) == 3 and len(runner.ar_traces) == 2
     finally:
         engine.close()
 
@@ -265,10 +265,10 @@ def test_engine_decoder_traces_as_configured(tiny_checkpoint):
             traces = engine.runner.decoder.traces
             assert (traces is None) == (trace_after is None)
             assert traces is None or traces.trace_after == 5
-            step_traces = engine.runner.step_traces
+            ar_traces = engine.runner.ar_traces
             native = engine.runner.native_row_attention  # eager in torch without it
-            assert (step_traces is None) == (trace_after is None or not native)
-            assert step_traces is None or step_traces.trace_after == 5
+            assert (ar_traces is None) == (trace_after is None or not native)
+            assert ar_traces is None or ar_traces.trace_after == 5
         finally:
             engine.close()
 

@@ -1,9 +1,11 @@
-"""The AR step replayed as a TorchScript trace (`ModelRunner.step_traces`): one trace, made on one
-scratch row, replays every step the engine takes bit for bit, whatever its rows, their contexts'
-lengths, and the contexts' reservation (which moves when a context outgrows it)."""
+"""The AR stage's calls replayed as TorchScript traces (`ModelRunner.ar_traces`): the AR step's
+trace, made on one scratch row, replays every step bit for bit, whatever its rows, their
+contexts' lengths and the contexts' reservation (which moves when a context outgrows it); a
+prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -12,8 +14,34 @@ import torch
 from intone.engine import Engine, EngineConfig
 from intone.engine.kernels.row_contexts import NativeRowAttention, plan_row_context_step
 from intone.engine.loading import LoadedModel
-from intone.engine.model_runner import GenerateInputs, ModelRunner
-from intone.engine.models.pocket.kv_cache import SequenceStep
+from intone.engine.model_runner import GenerateInputs, ModelRunner, PrefillInputs
+from intone.engine.models.pocket.kv_cache import SequenceAttention, SequenceStep, plan_step
+
+
+@pytest.fixture
+def engines(tiny_model: LoadedModel) -> Iterator[tuple[Engine, Engine]]:
+    """(eager, traced with its traces made) on pools that hold the same keys and values."""
+    config = EngineConfig(torch_threads=0, max_active=8, dtype="float32", num_pages=256)
+    eager = Engine(tiny_model, replace(config, trace_after=None))
+    traced = Engine(tiny_model, replace(config, trace_after=1))
+    try:
+        if not traced.runner.native_row_attention:
+            pytest.skip("no native attention here: AR steps run eagerly in torch")
+        assert eager.runner.ar_traces is None
+        traced.prepare_traces()
+        for runner in (eager.runner, traced.runner):
+            generator = torch.Generator().manual_seed(0)
+            for tensor in (runner.pool.keys, runner.pool.values):
+                tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        yield eager, traced
+    finally:
+        eager.close()
+        traced.close()
+
+
+def assert_same_pools(a: ModelRunner, b: ModelRunner) -> None:
+    assert torch.equal(a.pool.keys, b.pool.keys)
+    assert torch.equal(a.pool.values, b.pool.values)
 
 
 def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tensor, ...]:
@@ -47,35 +75,56 @@ def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tens
     return latents[back], eos[back]
 
 
-def test_one_trace_replays_every_step_bit_for_bit(tiny_model: LoadedModel) -> None:
-    config = EngineConfig(torch_threads=0, max_active=8, dtype="float32", num_pages=256)
-    eager = Engine(tiny_model, replace(config, trace_after=None))
-    traced = Engine(tiny_model, replace(config, trace_after=1))
-    try:
-        if not traced.runner.native_row_attention:
-            pytest.skip("no native attention here: steps run eagerly in torch")
-        assert eager.runner.step_traces is None
-        traced.prepare_traces()
-        traces = traced.runner.step_traces
-        assert traces is not None and len(traces) == 1
-        # Both pools hold the same keys and values, and get the same writes.
-        for runner in (eager.runner, traced.runner):
-            generator = torch.Generator().manual_seed(0)
-            for tensor in (runner.pool.keys, runner.pool.values):
-                tensor.copy_(torch.randn(tensor.shape, generator=generator))
-        capacity = traced.runner.row_contexts.capacity
-        cases = [[1], [3, 70, 12], [200, 1, 5, 33, 64, 9, 150], [capacity + 7, 4]]
-        assert capacity + 7 < traced.runner.pool.num_slots
-        for seed, lengths in enumerate(cases):
-            want = step(eager.runner, lengths, seed)
-            got = step(traced.runner, lengths, seed)
-            for a, b in zip(got, want, strict=True):
-                assert torch.equal(a, b), lengths
-            assert torch.equal(traced.runner.pool.keys, eager.runner.pool.keys)
-            assert torch.equal(traced.runner.pool.values, eager.runner.pool.values)
-        # The last case grew the reservation: the same trace read the new one.
-        assert traced.runner.row_contexts.capacity > capacity
-        assert len(traces) == 1
-    finally:
-        eager.close()
-        traced.close()
+def prompt_pass(
+    runner: ModelRunner, context: int, prompt: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """One prompt pass of one sequence: `prompt` new positions after `context` in the pool."""
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[: context + prompt]
+    positions, attention = plan_step(runner.pool, [SequenceStep(slots, prompt)])
+    sequence = attention.only_sequence()
+    assert isinstance(sequence, SequenceAttention)
+    width = runner.bos_input.shape[-1]
+    latent_dim = runner.flow_lm.latent_dim
+    inputs = PrefillInputs(
+        torch.randn(prompt, width, generator=generator),
+        positions,
+        sequence,
+        torch.tensor([prompt - 1]),
+        torch.randn(1, latent_dim, generator=generator),
+        torch.randn(1, generator=generator),
+    )
+    return runner.prefill_step(inputs)
+
+
+def test_one_trace_replays_every_step_bit_for_bit(engines: tuple[Engine, Engine]) -> None:
+    eager, traced = engines
+    traces = traced.runner.ar_traces
+    assert traces is not None and len(traces) == 2  # the AR step and a prompt pass
+    capacity = traced.runner.row_contexts.capacity
+    cases = [[1], [3, 70, 12], [200, 1, 5, 33, 64, 9, 150], [capacity + 7, 4]]
+    assert capacity + 7 < traced.runner.pool.num_slots
+    for seed, lengths in enumerate(cases):
+        want = step(eager.runner, lengths, seed)
+        got = step(traced.runner, lengths, seed)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), lengths
+        assert_same_pools(traced.runner, eager.runner)
+    # The last case grew the reservation: the same trace read the new one.
+    assert traced.runner.row_contexts.capacity > capacity
+    assert len(traces) == 2
+
+
+def test_one_trace_replays_every_prompt_pass_of_one_sequence_bit_for_bit(
+    engines: tuple[Engine, Engine],
+) -> None:
+    eager, traced = engines
+    traces = traced.runner.ar_traces
+    assert traces is not None
+    for seed, (context, prompt) in enumerate([(0, 2), (0, 9), (37, 3), (150, 31), (5, 120)]):
+        want = prompt_pass(eager.runner, context, prompt, seed)
+        got = prompt_pass(traced.runner, context, prompt, seed)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (context, prompt)
+        assert_same_pools(traced.runner, eager.runner)
+    assert len(traces) == 2

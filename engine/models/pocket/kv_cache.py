@@ -13,9 +13,17 @@ num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_head
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+
+def store_slots(
+    keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store new keys/values [n, H, D] at slots [n] of one pool layer ([H, slots, D] each)."""
+    keys.index_copy_(1, slots, k.transpose(0, 1))
+    values.index_copy_(1, slots, v.transpose(0, 1))
 
 
 class KVPool:
@@ -69,8 +77,7 @@ class KVPool:
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's new keys/values [n, H, D] at slots [n]."""
-        self.keys[layer].index_copy_(1, slots, k.transpose(0, 1))
-        self.values[layer].index_copy_(1, slots, v.transpose(0, 1))
+        store_slots(self.keys[layer], self.values[layer], slots, k, v)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys/values at slots [n], head-major: [H, n, D]."""
@@ -130,6 +137,26 @@ class DecodeAttention:
         return out.transpose(0, 1).reshape(rows, heads, dim)
 
 
+def attend_sequence(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+) -> torch.Tensor:
+    """One sequence's queries q [n, H, D] against its keys and values at `slots` [L] of one
+    pool layer ([Hkv, slots, D] each), masked by `bias` [n, L]: [n, Hkv, g, D]. Every size comes
+    from a tensor's shape."""
+    n, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    # [n, H, D] -> [Hkv, 1, g * n, D]: a group's queries side by side against its KV head.
+    q = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, 1, group * n, dim)
+    k_ctx, v_ctx = keys.index_select(1, slots), values.index_select(1, slots)
+    out = _attend(q, k_ctx[:, None], v_ctx[:, None], bias)  # [Hkv, 1, g * n, D]
+    return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3)
+
+
 @dataclass
 class VarlenAttention:
     """Attention for a packed pass of sequences adding several tokens each (implements `KVCache`).
@@ -147,21 +174,45 @@ class VarlenAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.store(layer, self.write_slots, k, v)
-        _, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        group = heads // kv_heads
-        outputs = []
-        for q_seq, slots, bias in zip(
-            q.split(self.num_new), self.read_slots, self.biases, strict=True
-        ):
-            n = q_seq.shape[0]
-            # [n, H, D] -> [Hkv, 1, g * n, D]: a group's queries side by side against its KV head.
-            q_seq = q_seq.view(n, kv_heads, group, dim).permute(1, 2, 0, 3)
-            q_seq = q_seq.reshape(kv_heads, 1, group * n, dim)
-            k_ctx, v_ctx = self.pool.gather(layer, slots)
-            out = _attend(q_seq, k_ctx[:, None], v_ctx[:, None], bias)  # [Hkv, 1, g * n, D]
-            outputs.append(out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
-        return torch.cat(outputs).reshape(-1, heads, dim)
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        outputs = [
+            attend_sequence(keys, values, q_seq, slots, bias)
+            for q_seq, slots, bias in zip(
+                q.split(self.num_new), self.read_slots, self.biases, strict=True
+            )
+        ]
+        return torch.cat(outputs).reshape(q.shape)
+
+    def only_sequence(self) -> SequenceAttention:
+        """The same pass as a `SequenceAttention`, where it has one sequence."""
+        (slots,), (bias,) = self.read_slots, self.biases
+        return SequenceAttention(self.pool.keys, self.pool.values, self.write_slots, slots, bias)
+
+
+@dataclass
+class SequenceAttention:
+    """`VarlenAttention` of one sequence, tensors only (implements `KVCache`): no size reaches
+    it but as a tensor's shape, so a pass through it can be replayed as a trace for any prompt
+    and context length, with these as the trace's inputs (`tensors`, `from_tensors`)."""
+
+    keys: torch.Tensor  # the pool's [layers, kv_heads, slots, D]
+    values: torch.Tensor
+    write_slots: torch.Tensor  # [n]
+    read_slots: torch.Tensor  # [L]
+    bias: torch.Tensor  # [n, L]: 0 where a query may see a key, -inf elsewhere
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.keys[layer], self.values[layer]
+        store_slots(keys, values, self.write_slots, k, v)
+        return attend_sequence(keys, values, q, self.read_slots, self.bias).reshape(q.shape)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> SequenceAttention:
+        """The attention of `tensors()`; entries of other names are left out."""
+        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
 
 
 SlotAttention = DecodeAttention | VarlenAttention
