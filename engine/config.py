@@ -68,8 +68,8 @@ COST_WEIGHT = 0.2
 # A decode batch is split across cores only into parts of at least this many rows: below it the
 # per-row cost of a decode call climbs.
 DECODE_SPLIT_ROWS = 4
-# Calls of one kind (an AR step; a decode call on pool rows in place or gathered) after which the
-# engine traces it (`EngineConfig.trace_after`), where `Engine.prepare_traces` has not: tracing
+# Calls of one kind (an AR step, a prompt pass of one sequence; a decode call on pool rows in place
+# or gathered) after which the engine traces it (`EngineConfig.trace_after`), where `Engine.prepare_traces` has not: tracing
 # costs what 20-40 eager calls do, so kinds called only now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
@@ -169,10 +169,10 @@ class EngineConfig:
     # row-frame a call costs about the same from 64 up
     # (bench/results/cpu-2core-epyc-avx512-burst-parts-ab/).
     max_decode_row_frames: int = 64
-    # Calls of one kind after which an AR step through the native attention and the CPU
-    # decoder's calls replay as TorchScript traces, which skip Python's dispatch of every
-    # operator and do not hold the GIL the other stage needs (engine/kernels/traces.py); None:
-    # eager.
+    # Calls of one kind after which AR steps through the native attention, prompt passes of one
+    # sequence and the CPU decoder's calls replay as TorchScript traces, which skip Python's
+    # dispatch of every operator and do not hold the GIL the other stage needs
+    # (engine/kernels/traces.py); None: eager.
     trace_after: int | None = TRACE_AFTER_CALLS
     # On a CPU with glibc, keep freed activations in the heap instead of page-faulting them in
     # again on every call (engine/cpu_memory.py). Process-wide: False leaves malloc alone.

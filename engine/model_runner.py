@@ -557,13 +557,15 @@ class ModelRunner:
 
 
 def new_ar_traces(config: EngineConfig) -> traces.TraceCache | None:
-    """Where an engine's runners trace their AR steps, from `config.trace_after` on; None where
-    steps stay eager.
+    """Where an engine's runners trace their AR steps and prompt passes, from
+    `config.trace_after` on; None where they stay eager.
 
-    Through the native attention a step replays as one TorchScript trace, whatever its rows and
-    contexts (traces.py: sizes flow through it). Eager, a full-size step of one row spent about
-    4 of its 14 ms dispatching its ~700 operators from Python with the GIL held, which the
-    decoder's thread and the callers' loop wait for.
+    Through the native attention an AR step replays as one TorchScript trace, whatever its rows
+    and contexts, and a prompt pass of one sequence as another, whatever its prompt and context
+    (traces.py: sizes flow through them). Eager, a full-size step of one row spent about 4 of
+    its 14 ms dispatching its ~700 operators from Python with the GIL held, which the decoder's
+    thread and the callers' loop wait for; a short first clause's prompt pass 21 of which a
+    trace takes 16 (the engine's first audio on an idle 2-core Zen 3: 47 -> 41 ms).
     """
     if config.trace_after is None or not traces.available():
         return None
