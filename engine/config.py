@@ -69,8 +69,9 @@ COST_WEIGHT = 0.2
 # per-row cost of a decode call climbs.
 DECODE_SPLIT_ROWS = 4
 # Calls of one kind (an AR step, a prompt pass of one sequence; a decode call on pool rows in place
-# or gathered) after which the engine traces it (`EngineConfig.trace_after`), where `Engine.prepare_traces` has not: tracing
-# costs what 20-40 eager calls do, so kinds called only now and then stay eager.
+# or gathered) after which the engine traces it (`EngineConfig.trace_after`), where
+# `Engine.prepare_traces` has not: tracing costs what 20-40 eager calls do, so kinds called only
+# now and then stay eager.
 TRACE_AFTER_CALLS = 20
 
 # ---- each AR row's context kept dense (engine/model_runner.py, `RowContexts`)
