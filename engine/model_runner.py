@@ -103,8 +103,8 @@ class ModelRunner:
         ar_traces: traces.TraceCache | None = None,
     ):
         """`trace_after`: the CPU decoder's (`EngineConfig.trace_after`); `ar_traces`: where
-        AR steps through the native attention are traced (`new_ar_traces`), which runners of
-        one model and engine may share."""
+        AR steps through the native attention and prompt passes of one sequence are traced
+        (`new_ar_traces`), which runners of one model and engine may share."""
         self.model = model
         # Host-side inputs reach the device through it (pinned and asynchronous on a GPU).
         self.io = io or DeviceIO(device)
