@@ -188,8 +188,8 @@ class Engine:
         return self
 
     def prepare_traces(self) -> None:
-        """Make the AR stage's traces (its step, a prompt pass) and the decoder's now (0.3-1.5 s
-        on 2 cores), so that no served call stalls while one is made. The server calls it at
+        """Make the AR stage's traces (its step, a prompt pass) and the decoder's now (0.7-1.3 s
+        on a 2-core Zen 3), so that no served call stalls while one is made. The server calls it at
         startup and the plugins' prewarm with their warm-up; an engine that skips it makes them
         as it serves (`EngineConfig.trace_after`)."""
         self.runner.prepare_ar_traces()
