@@ -7,12 +7,12 @@ each row's context instead, one position appended a step, and reads it in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from intone.engine.kernels import row_attention
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, Upload
+from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, TensorFields, Upload
 
 CONTEXT_RUN = 64
 
@@ -189,7 +189,7 @@ class RowContextAttention:
 
 
 @dataclass
-class NativeRowAttention:
+class NativeRowAttention(TensorFields):
     """The same attention through row_attention's operators, each row read up to its own
     length (implements `KVCache`).
 
@@ -213,14 +213,6 @@ class NativeRowAttention:
         row_attention.store(v, self.pool_values[layer], self.pool_offsets)
         row_attention.store(v, values, self.context_offsets)
         return row_attention.attend(q, keys, values, self.lengths)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> NativeRowAttention:
-        """The attention of `tensors()`; entries of other names are left out."""
-        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
 
 
 def plan_row_context_step(

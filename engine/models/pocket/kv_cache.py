@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Self
 
 import torch
 
@@ -157,6 +158,19 @@ def attend_sequence(
     return out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3)
 
 
+class TensorFields:
+    """A dataclass of tensors only, so that a pass through it can be replayed as a trace with
+    its fields as the trace's inputs: `tensors()` for the call, `from_tensors` inside it."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Self:
+        """The instance of `tensors()`; entries of other names are left out."""
+        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
+
+
 @dataclass
 class VarlenAttention:
     """Attention for a packed pass of sequences adding several tokens each (implements `KVCache`).
@@ -190,7 +204,7 @@ class VarlenAttention:
 
 
 @dataclass
-class SequenceAttention:
+class SequenceAttention(TensorFields):
     """`VarlenAttention` of one sequence, tensors only (implements `KVCache`): no size reaches
     it but as a tensor's shape, so a pass through it can be replayed as a trace for any prompt
     and context length, with these as the trace's inputs (`tensors`, `from_tensors`)."""
@@ -205,14 +219,6 @@ class SequenceAttention:
         keys, values = self.keys[layer], self.values[layer]
         store_slots(keys, values, self.write_slots, k, v)
         return attend_sequence(keys, values, q, self.read_slots, self.bias).reshape(q.shape)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> SequenceAttention:
-        """The attention of `tensors()`; entries of other names are left out."""
-        return cls(**{f.name: tensors[f.name] for f in fields(cls)})
 
 
 SlotAttention = DecodeAttention | VarlenAttention
