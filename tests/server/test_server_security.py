@@ -354,8 +354,11 @@ async def test_fair_share_per_api_key(tiny_checkpoint):
     server = ServerThread(app).start()
     try:
         pages = idle_pages(engine)
-        hog_options = {"eos_threshold": 1e9, "max_frames": 200}  # ~16 s of audio per clause
-        hog_text = " ".join(f"Clause number {i} is long." for i in range(6))
+        # EOS off: each clause runs to its frame budget (~70 frames for these). Forty clauses,
+        # since the tiny model renders six in about a second (traced steps): a hog must outlast
+        # the checks below.
+        hog_options = {"eos_threshold": 1e9, "max_frames": 200}
+        hog_text = " ".join(f"Clause number {i} is long." for i in range(40))
         async with (
             IntoneClient(server.url, api_key=KEYS[0]) as hog,
             IntoneClient(server.url, api_key=KEYS[1]) as other,
