@@ -389,19 +389,20 @@ def summarise(results: list[TurnResult], loop: LoopLoad) -> dict:
     ok = [r for r in results if r.error is None and r.latency_ms is not None]
     latencies = [r.latency_ms for r in ok]
     words = [len(r.first_clause.split()) for r in ok if r.first_clause]
-    dry = [
-        {
-            "reply": r.reply,
-            "gaps_ms": [round(g * 1000) for g, _, _ in r.dry_gaps()],
-            "after_audio_s": [round(played, 2) for _, played, _ in r.dry_gaps()],
-            # The event loop's worst lag during each gap (LoopLoad).
-            "loop_lag_ms": [
-                round(loop.worst_between(at - g, at) * 1000) for g, _, at in r.dry_gaps()
-            ],
-        }
-        for r in ok
-        if r.dry_gaps()
-    ]
+    dry = []
+    for r in ok:
+        if gaps := r.dry_gaps():
+            dry.append(
+                {
+                    "reply": r.reply,
+                    "gaps_ms": [round(g * 1000) for g, _, _ in gaps],
+                    "after_audio_s": [round(played, 2) for _, played, _ in gaps],
+                    # The event loop's worst lag during each gap (LoopLoad).
+                    "loop_lag_ms": [
+                        round(loop.worst_between(at - g, at) * 1000) for g, _, at in gaps
+                    ],
+                }
+            )
     lags = [lag for _, lag in loop.samples]
     return {
         "turns": len(results),
