@@ -172,23 +172,40 @@ class Cdp:
             if value:
                 return value
             if time.monotonic() > deadline:
-                state = await self.evaluate(session, "JSON.stringify(window.intone)")
-                raise AssertionError(f"timed out waiting for {expression}; state {state}")
+                # The status line and the log's tail first: a CI report may cut a long message.
+                seen = await self.evaluate(
+                    session,
+                    "[(document.getElementById('status') || {}).textContent,"
+                    " ((document.getElementById('log') || {}).textContent || '').slice(-800),"
+                    " JSON.stringify(window.intone).slice(0, 2000)]",
+                )
+                raise AssertionError(f"timed out waiting for {expression}; page {seen}")
             await asyncio.sleep(0.05)
 
     async def click(self, session: str, element_id: str, selector: str | None = None) -> None:
-        """A real mouse click at the element's centre (by id, or by a CSS selector)."""
+        """A real mouse click at the element's centre (by id, or by a CSS selector), once the
+        element is what a click there hits and has stayed put for two reads: the page's layout
+        moves as it loads (the generated-weights banner, the voice list), and a click computed
+        before such a shift lands on whatever moved under it."""
         find = (
             f"document.querySelector({json.dumps(selector)})"
             if selector
             else f"document.getElementById('{element_id}')"
         )
-        box = await self.evaluate(
-            session,
+        where = (
             f"(() => {{ const e = {find}; e.scrollIntoView({{block: 'center'}});"
-            " const r = e.getBoundingClientRect();"
-            " return [r.x + r.width / 2, r.y + r.height / 2]; })()",
+            " const r = e.getBoundingClientRect(), x = r.x + r.width / 2, y = r.y + r.height / 2;"
+            " return e.contains(document.elementFromPoint(x, y)) ? [x, y] : null; })()"
         )
+        deadline = time.monotonic() + 15
+        box = await self.evaluate(session, where)
+        while True:
+            await asyncio.sleep(0.05)
+            settled, box = box, await self.evaluate(session, where)
+            if box is not None and box == settled:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{element_id or selector} never settled under a click: {box}")
         for kind in ("mousePressed", "mouseReleased"):
             await self.send(
                 "Input.dispatchMouseEvent",
@@ -305,6 +322,7 @@ async def test_demo_page_takes_the_api_key(chromium_path, tiny_checkpoint, tmp_p
                 )
                 await cdp.send("Page.navigate", {"url": f"{server.url}/?key=page-key"}, page)
                 await cdp.wait_for(page, "window.intone && window.intone.connected")
+                await cdp.wait_for(page, "window.intone.voicesLoaded >= 1")
                 await cdp.wait_for(page, "window.intone.lastStats !== undefined")
                 await cdp.click(page, "speak")
                 await cdp.wait_for(page, "window.intone.framesReceived >= 3")
