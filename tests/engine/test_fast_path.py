@@ -67,6 +67,24 @@ def config_options(config: str) -> dict:
     return {} if config == "default" else dict(BFLOAT16_OPTIONS)
 
 
+def check_reduced_precision(engine: Engine) -> None:
+    """The engine's modules are in the precision its `dtype` resolves to, and not all float32."""
+    precision = resolve_precision(engine.config.dtype, engine.config.device)
+    assert precision != resolve_precision("float32", "cpu"), "nothing in reduced precision"
+    assert engine.model.flow_lm.transformer.dtype == precision.flow_lm
+    int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
+    assert int8 == precision.flow_lm_int8
+    assert engine.runner.decoder.int8 == precision.decoder_int8
+    # The native decode attention reads float32 contexts; the bf16 KV pool attends in torch.
+    native_attention = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
+    assert engine.runner.native_row_attention == native_attention
+    flow_head = engine.model.flow_lm.flow_net
+    bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
+    assert bf16 == precision.flow_head_bf16
+    if bf16:  # every linear layer of the head, none left in float32
+        assert not any(isinstance(m, torch.nn.Linear) for m in flow_head.modules())
+
+
 async def compare(
     checkpoint: Path, loaded: LoadedModel, voice: Voice, temperature: float, config: str
 ):
@@ -77,20 +95,7 @@ async def compare(
     threads = torch.get_num_threads()  # the fast options may set torch's process-wide count
     engine = Engine(load_model(checkpoint), EngineConfig(**config_options(config))).start()
     try:
-        precision = resolve_precision(engine.config.dtype, engine.config.device)
-        assert precision != resolve_precision("float32", "cpu"), "nothing in reduced precision"
-        assert engine.model.flow_lm.transformer.dtype == precision.flow_lm
-        int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
-        assert int8 == precision.flow_lm_int8
-        assert engine.runner.decoder.int8 == precision.decoder_int8
-        # The native decode attention reads float32 contexts; the bf16 KV pool attends in torch.
-        native_attention = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
-        assert engine.runner.native_row_attention == native_attention
-        flow_head = engine.model.flow_lm.flow_net
-        bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
-        assert bf16 == precision.flow_head_bf16
-        if bf16:  # every linear layer of the head, none left in float32
-            assert not any(isinstance(m, torch.nn.Linear) for m in flow_head.modules())
+        check_reduced_precision(engine)
         ours = await engine.synthesize(TEXT, options=dataclasses.replace(options))
     finally:
         engine.close()
@@ -116,12 +121,13 @@ async def test_fast_path_within_tolerance_tiny(
     await compare(tiny_checkpoint, tiny_model, tiny_voice, temperature, config)
 
 
+# At full size the default path is held to the tolerance four streams at a time (below); one
+# stream alone, and clause chaining, at both temperatures are the tiny model's cases above.
 @pytest.mark.full
-@pytest.mark.parametrize("config", ["default", "bfloat16"])
-async def test_fast_path_within_tolerance_full(full_checkpoint: Path, config: str):
+async def test_bfloat16_path_within_tolerance_full(full_checkpoint: Path):
     loaded = load_model(full_checkpoint)
     voice = load_voice(loaded.model, "default", full_checkpoint / "voices" / "default.wav")
-    await compare(full_checkpoint, loaded, voice, 0.3, config)
+    await compare(full_checkpoint, loaded, voice, 0.3, "bfloat16")
 
 
 BATCH_TEXTS = (
@@ -149,6 +155,7 @@ async def compare_in_a_batch(checkpoint: Path, loaded: LoadedModel, voice: Voice
     engine = Engine(load_model(checkpoint), EngineConfig(lead_s=None)).start()
     try:
         assert resolve_precision(engine.config.dtype, engine.config.device).flow_lm_int8
+        check_reduced_precision(engine)
         outputs = await asyncio.gather(
             *[engine.synthesize(text, options=dataclasses.replace(opts)) for text, opts in jobs]
         )

@@ -234,10 +234,15 @@ async def new_page(cdp: Cdp, width: int = 980) -> str:
 async def open_page(cdp: Cdp, url: str, width: int = 980) -> str:
     """The demo at `url` in a new tab, once it is connected and has its voices."""
     page = await new_page(cdp, width)
+    await navigate(cdp, page, url)
+    return page
+
+
+async def navigate(cdp: Cdp, page: str, url: str) -> None:
+    """`page` to the demo at `url`, once it is connected and has its voices."""
     await cdp.send("Page.navigate", {"url": url}, page)
     await cdp.wait_for(page, "window.intone && window.intone.connected")
     await cdp.wait_for(page, "window.intone.voicesLoaded >= 1")
-    return page
 
 
 async def test_demo_page_streams_audio_and_stops(chromium_path, tiny_checkpoint, tmp_path):
@@ -320,9 +325,7 @@ async def test_demo_page_takes_the_api_key(chromium_path, tiny_checkpoint, tmp_p
                     "(document.getElementById('status') || {}).textContent === "
                     "'unauthorized: enter the API key'",
                 )
-                await cdp.send("Page.navigate", {"url": f"{server.url}/?key=page-key"}, page)
-                await cdp.wait_for(page, "window.intone && window.intone.connected")
-                await cdp.wait_for(page, "window.intone.voicesLoaded >= 1")
+                await navigate(cdp, page, f"{server.url}/?key=page-key")
                 await cdp.wait_for(page, "window.intone.lastStats !== undefined")
                 await cdp.click(page, "speak")
                 await cdp.wait_for(page, "window.intone.framesReceived >= 3")
