@@ -341,12 +341,16 @@ def _inside_number(buf: str, end: int) -> bool:
     return nxt.isdigit() and word.lower() in WORDS_BEFORE_NUMBERS
 
 
-def _has_word(text: str) -> bool:
+def has_word(text: str) -> bool:
+    """Whether `text` has anything to say: a letter or a digit. A clause of punctuation, quotes
+    or emoji alone (what a flush or the end leaves after a first clause cut at a comma: the
+    closing quote of '"Yes,"') has none; the languages whose text rules delete quotes would
+    even leave it empty."""
     return any(c.isalnum() for c in text)
 
 
 def _words(text: str) -> int:
-    return sum(1 for word in text.split() if _has_word(word))
+    return sum(1 for word in text.split() if has_word(word))
 
 
 def _is_abbreviation(core: str) -> bool:
@@ -441,7 +445,7 @@ class ClauseSplitter:
     @property
     def holds_words(self) -> bool:
         """Whether complete words wait in the buffer for their clause to end."""
-        return self._word_end is not None and _has_word(self._buf[: self._word_end])
+        return self._word_end is not None and has_word(self._buf[: self._word_end])
 
     def push(self, text: str) -> list[str]:
         """Append text; return the clauses it completes."""
@@ -466,7 +470,7 @@ class ClauseSplitter:
         that keeps at least half its complete words, else its last word boundary. Never inside
         a word or a number."""
         end = self._word_end
-        if end is None or not _has_word(self._buf[:end]):
+        if end is None or not has_word(self._buf[:end]):
             return []
         soft = self._soft_end
         if soft is not None and 2 * _words(self._buf[:soft]) >= _words(self._buf[:end]):
@@ -518,7 +522,7 @@ class ClauseSplitter:
                     if cut is None and not inside:
                         if self._is_boundary(i):
                             cut = i
-                        elif self._timed_out() and _has_word(buf[:i]):
+                        elif self._timed_out() and has_word(buf[:i]):
                             cut = i  # the first clause's wait ran out before its first word end
                     if cut is None and not inside:
                         self._word_end = i
@@ -601,7 +605,7 @@ class ClauseSplitter:
             return False
         if self._long_enough(end, sentence):
             return True
-        if _has_word(self._buf[:end]):
+        if has_word(self._buf[:end]):
             self._soft_end = end
         return False
 
@@ -609,7 +613,7 @@ class ClauseSplitter:
         """Whether the clause up to `end` may end there: it has words, and enough of them
         (`first_clause_min_words` in a first clause) or enough tokens (in the others)."""
         text = self._buf[:end]
-        if not _has_word(text):
+        if not has_word(text):
             return False  # punctuation alone goes with the next clause
         if self._first:
             enough = _words(text) >= self.first_clause_min_words

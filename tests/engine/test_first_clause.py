@@ -17,6 +17,8 @@ from intone.engine.errors import InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.text import ClauseSplitter, split_clauses
 
+from support.checkpoints import checkpoint
+
 NO_EOS = 1e9
 TOKEN_S = 0.025  # an LLM at 40 tokens/s
 
@@ -287,6 +289,42 @@ async def test_the_wait_cuts_the_first_clause_with_no_more_text(engine: Engine):
     assert " ".join(w.word for w in words) == "I checked your account and it is fine."
     assert all(a.end <= b.start + 1e-9 for a, b in zip(words, words[1:], strict=False))
     assert any(isinstance(e, AudioChunk) for e in events)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-spanish"])
+async def test_a_clause_with_nothing_to_say_is_not_spoken(
+    preset: str,
+    tiny_checkpoint: Path,
+    family_checkpoints: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """A first clause cut at a comma leaves the closing quote of '"Sí,"' for the end: a clause of
+    punctuation alone, which Spanish's text rules (they delete quotes) would even make empty.
+    Such a clause is not spoken; the turn ends as usual, and a turn of nothing but punctuation
+    ends with no audio."""
+    path = (
+        tiny_checkpoint
+        if preset == "tiny"
+        else checkpoint(family_checkpoints, preset, tmp_path_factory)
+    )
+    engine = Engine(load_model(path), EngineConfig(lead_s=None)).start()
+    try:
+        for text, spoken in (
+            ('"Sí," dijo. "Vale."', ['"Sí,', '" dijo. "Vale."']),
+            ('"Sí,"', ['"Sí,']),
+            ('"Sí,"!? ', ['"Sí,']),
+            ("...", []),
+        ):
+            stream = engine.stream(None, options())
+            for token in llm_tokens(text):
+                stream.push_text(token)
+            stream.end_input()
+            async with asyncio.timeout(30):
+                events = [event async for event in stream]
+            assert [e.text for e in events if isinstance(e, ClauseDone)] == spoken, text
+            assert any(isinstance(e, AudioChunk) for e in events) == bool(spoken), text
+    finally:
+        engine.close()
 
 
 async def test_a_stall_mid_turn_cuts_once_and_the_turn_goes_on(engine: Engine):
