@@ -34,7 +34,7 @@ from intone.engine.pacing import PacingPolicy
 from intone.engine.playback import Playback
 from intone.engine.request import Clause, Phase, Request, RequestMetrics, now
 from intone.engine.scheduler import Scheduler
-from intone.engine.text import ClauseSplitter, check_text, has_word, plan_clause
+from intone.engine.text import ClauseSplitter, check_text, plan_clause
 from intone.engine.word_timing import Timeline
 
 __all__ = ["AudioChunk", "ClauseDone", "Stream", "StreamHost", "WordTiming"]
@@ -362,7 +362,7 @@ class Stream:
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
         clauses = []
-        for text in filter(has_word, texts):  # nothing to say is not spoken
+        for text in texts:
             plan = self._host.plan(self.request, text)
             clauses.append(Clause(self._clauses, text, plan))
             self._clauses += 1

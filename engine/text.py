@@ -342,10 +342,9 @@ def _inside_number(buf: str, end: int) -> bool:
 
 
 def has_word(text: str) -> bool:
-    """Whether `text` has anything to say: a letter or a digit. A clause of punctuation, quotes
-    or emoji alone (what a flush or the end leaves after a first clause cut at a comma: the
-    closing quote of '"Yes,"') has none; the languages whose text rules delete quotes would
-    even leave it empty."""
+    """Whether `text` has anything to say: a letter or a digit. Punctuation, quotes or emoji
+    alone have none (and the languages whose text rules delete quotes would prepare a lone
+    quote to empty text)."""
     return any(c.isalnum() for c in text)
 
 
@@ -382,7 +381,8 @@ class ClauseSplitter:
     whitespace (inside a single word longer than that, at the last character that fits). No cut
     falls inside a number, time, date, price or address ("3:45 pm", "November 30, 2026", "221B
     Baker Street": `_inside_number`), unless one such span alone is over `max_tokens`. Clauses
-    are stripped; empty ones are never returned.
+    are stripped, and have a word: what a flush or the end leaves without one (the closing quote
+    of '"Yes,"' after a first clause cut at its comma) is dropped, not spoken.
 
     The first clause (after construction or a flush) is the one the listener waits for, and the
     next clause chains onto it, so it may be short: it ends at the first boundary after
@@ -555,7 +555,7 @@ class ClauseSplitter:
 
     def _emit(self, end: int, out: list[str]) -> None:
         clause = self._buf[:end].strip()
-        if clause:
+        if has_word(clause):  # punctuation alone has nothing to say
             out.append(clause)
             self._first = False
         # The rest is rescanned as a new clause (after an overflow cut it holds the last word).
