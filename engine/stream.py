@@ -10,6 +10,7 @@ the engine lock, plans and queues its clauses, cancels it and says what pacing h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import threading
@@ -317,10 +318,8 @@ class Stream:
         self._timer = None
         if self._closed or self.request.input_ended:
             return
-        try:
+        with contextlib.suppress(Exception):  # a failed clause has ended the stream
             self._submit(self._splitter.poll())
-        except Exception as e:  # a clause that cannot be planned ends this stream, typed
-            self._fail(e)
 
     def _check_dry(self) -> None:
         """The deadline rule: when the audio this stream has will run out before the clause
@@ -350,10 +349,8 @@ class Stream:
         if left > 0:
             self._dry_timer = self._loop.call_later(left, self._check_dry)
             return
-        try:
+        with contextlib.suppress(Exception):  # a failed clause has ended the stream
             self._submit(splitter.cut_now())
-        except Exception as e:  # a clause that cannot be planned ends this stream, typed
-            self._fail(e)
 
     def _fail(self, error: Exception) -> None:
         self._disarm_timer()
@@ -361,11 +358,17 @@ class Stream:
         self._deliver(error)
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
+        """Plan and queue the clauses the splitter gave out. Their text has left the splitter,
+        so a clause that cannot be planned (TextTooLongError) ends this stream with the error,
+        then raises it to the caller, rather than let the stream go on without its words."""
         clauses = []
-        for text in texts:
-            plan = self._host.plan(self.request, text)
-            clauses.append(Clause(self._clauses, text, plan))
-            self._clauses += 1
+        try:
+            for text in texts:
+                clauses.append(Clause(self._clauses, text, self._host.plan(self.request, text)))
+                self._clauses += 1
+        except Exception as e:
+            self._fail(e)
+            raise
         self._host.submit(self.request, clauses, end)
 
     def post(self, event: object) -> None:
