@@ -206,8 +206,9 @@ class Stream:
         return self.request.metrics
 
     def push_text(self, text: str) -> None:
-        """Append text (e.g. LLM tokens as they arrive). Refused text changes nothing: the
-        stream carries on."""
+        """Append text (e.g. LLM tokens as they arrive). Text refused as it comes (bad text,
+        over the length limit) changes nothing: the stream carries on. A clause it completes
+        that can never fit the KV pool ends the stream (`_submit`)."""
         self._check_open()
         check_text(text)
         self._check_length(len(text))
