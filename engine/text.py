@@ -298,9 +298,12 @@ def split_text(
 
 _SENTENCE_END = ".!?\u2026"
 _CLAUSE_PUNCTUATION = ",;:\u2014\u2013"
-_OPENERS = "\"'([{\u201c\u2018\u00ab"
-# Clause punctuation that ends a first clause as soon as it follows a word of letters.
-_EARLY_CUT = ",;"
+_OPENERS = "\"'([{\u201c\u2018\u00ab\u00a1\u00bf"
+# Punctuation that ends a first clause as soon as it follows a word of letters: there it cannot
+# be inside a number, a URL or an abbreviation, as a period or colon can ("example.com", "Dr.").
+_EARLY_CUT = ",;!?\u2026"
+# Sentence marks that run together ("Really?!"): the rest of a run after an early cut.
+_MARK_RUN = "!?\u2026"
 # A period after these does not end a sentence. Dotted initialisms ("e.g.", "U.S.", "J.") are
 # recognised by shape instead.
 _ABBREVIATIONS = frozenset(
@@ -386,9 +389,10 @@ class ClauseSplitter:
 
     The first clause (after construction or a flush) is the one the listener waits for, and the
     next clause chains onto it, so it may be short: it ends at the first boundary after
-    `first_clause_min_words` words, and a comma or semicolon right after a word of letters ends
-    it at once ("Hmm," "Sure,"), without the whitespace after it (what follows it, a closing
-    quote say, goes with the next clause). If none comes within `first_clause_max_wait_ms` of
+    `first_clause_min_words` words, and a comma, semicolon, "!", "?" or "\u2026" right after a
+    word of letters ends it at once ("Hmm," "Sure!"), without the whitespace after it (what
+    follows it, a closing quote say, goes with the next clause; more marks, the "!" of
+    "Really?!", with none). If none comes within `first_clause_max_wait_ms` of
     its first text (by `clock`, in seconds), it ends at its last word boundary then (`poll()`,
     which a caller runs at `deadline`; `push` also checks), or, with no complete word yet, at
     the next word end. None: no wait limit.
@@ -434,6 +438,7 @@ class ClauseSplitter:
         self._counts: dict[int, int] = {}  # token count of _buf[:j], per j, for this clause
         self._first = True
         self._first_text_at: float | None = None  # when the first clause's first text came
+        self._mark_run = False  # an early cut at a sentence mark: more marks may follow
 
     @property
     def deadline(self) -> float | None:
@@ -512,6 +517,14 @@ class ClauseSplitter:
                     self._emit(len(buf), out)
                 return out
             ch = buf[i]
+            if self._mark_run:
+                if ch in _MARK_RUN:
+                    self._pos = i + 1
+                    continue
+                self._mark_run = False
+                if i:  # the run after "Really?" goes with no clause: "!" alone says nothing
+                    self._emit(i, out)
+                    continue
             cut: int | None = None
             if ch.isspace():
                 if i > 0 and not buf[i - 1].isspace():  # the end of a word
@@ -534,13 +547,14 @@ class ClauseSplitter:
                 self._pos = i + 1
             else:
                 self._emit(cut, out)
+                self._mark_run = cut == i + 1 and ch in _MARK_RUN
 
     def _ends_right_after(self, i: int) -> bool:
         """Whether the clause ends right after the character at `i`, with no whitespace: an
-        attached em dash ("this\u2014that"), or in a first clause a comma or semicolon closing a
-        word of letters. That comma cannot be inside a number ("1,000") or a URL, so the first
-        clause need not wait for the whitespace after it (an LLM's next token, 25 ms at 40
-        tokens/s)."""
+        attached em dash ("this\u2014that"), or in a first clause a comma, semicolon, "!", "?"
+        or "\u2026" closing a word of letters. There it cannot be inside a number ("1,000"), a
+        URL or an abbreviation, so the first clause need not wait for the whitespace after it
+        (an LLM's next token, 25 ms at 40 tokens/s)."""
         ch = self._buf[i]
         if ch == "\u2014":
             return self._long_enough(i + 1, sentence=False)
@@ -550,7 +564,7 @@ class ClauseSplitter:
         return (
             word.replace("'", "").isalpha()
             and not _inside_number(self._buf, i + 1)
-            and self._long_enough(i + 1, sentence=False)
+            and self._long_enough(i + 1, sentence=ch in _SENTENCE_END)
         )
 
     def _emit(self, end: int, out: list[str]) -> None:
@@ -559,6 +573,7 @@ class ClauseSplitter:
             out.append(clause)
             self._first = False
         # The rest is rescanned as a new clause (after an overflow cut it holds the last word).
+        self._mark_run = False
         self._buf = self._buf[end:]
         self._pos = 0
         self._word_end = None

@@ -483,6 +483,34 @@ def test_first_clause_ends_at_a_comma_without_waiting_for_the_next_token(tok: To
     assert bare.push(" , ok,") == [", ok,"]
 
 
+def test_first_clause_ends_at_a_sentence_mark_after_a_word_of_letters(tok: Tokenizer):
+    """ "!", "?" and "…" after a word of letters end a first clause as they arrive, where a
+    period waits: "example." may go on as "example.com", "Dr." is no sentence's end."""
+    for pieces, first in (
+        (["Hi", " there", "!"], "Hi there!"),
+        (["Great", " question", "?"], "Great question?"),
+        (["¡Hola", "!"], "¡Hola!"),
+        (["Well", "…"], "Well…"),
+    ):
+        splitter = ClauseSplitter(tok)
+        assert [c for p in pieces for c in splitter.push(p)] == [first]
+    for held in ("Okay.", "See example.com/page?", "It is 3?", "Dr."):
+        waits = ClauseSplitter(tok)
+        assert waits.push(held) == [], held
+    later = ClauseSplitter(tok, first_clause_min_words=1)
+    assert later.push("Hi! How are you") == ["Hi!"]
+    assert later.push("?") == []  # not a first clause: waits for what follows, as before
+    # A run of marks ("Really?!") ends at its first: the rest goes with no clause.
+    for text in ("Really?! Thanks for calling us today.", "Really?!… Thanks for calling us today."):
+        assert split_clauses(tok, text) == ["Really?", "Thanks for calling us today."], text
+    assert split_clauses(tok, "Wow!!") == ["Wow!"]
+    flushed = ClauseSplitter(tok)
+    assert flushed.push("Wow!") == ["Wow!"]
+    assert flushed.flush() == []
+    assert flushed.push("!Yes.") == []  # after a flush, no run is pending: "!" is text again
+    assert flushed.end() == ["!Yes."]
+
+
 def test_flush_forces_out_the_buffer(tok: Tokenizer) -> None:
     splitter = ClauseSplitter(tok)
     assert splitter.push("Hello wor") == []
