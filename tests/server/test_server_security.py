@@ -250,7 +250,14 @@ async def test_idle_connections_close(tiny_checkpoint):
 
 
 async def test_stream_lifetime_ends_streams_and_cuts_raw_audio(tiny_checkpoint):
-    with running_server(tiny_checkpoint, max_stream_seconds=0.5) as (server, engine):
+    # Paced to a real-time listener ("hold"): the 29 s of LONG_TEXT's audio take about that
+    # long, where the watchdog (a round every 0.5 s) cuts within ~1 s. Unpaced, the tiny
+    # engine renders it in ~1.1 s, and a round that came late let the request finish.
+    pacing = {"pacing": "hold", "lead_s": 1.0}
+    with running_server(tiny_checkpoint, engine_config=pacing, max_stream_seconds=0.5) as (
+        server,
+        engine,
+    ):
         pages = idle_pages(engine)
         async with connect(server.ws_url) as ws:
             await recv_event(ws)
