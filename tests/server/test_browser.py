@@ -41,6 +41,11 @@ from support.server import (
     wait_engine_idle,
 )
 
+# The barge-in tests stop a stream while it plays. Unpaced, the tiny engine renders a reply
+# in a few hundred milliseconds, before a click can reach it: paced to a real-time listener
+# the stream lasts about as long as its audio.
+LISTENER_PACED = {"pacing": "hold", "lead_s": 1.0}
+
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
@@ -246,7 +251,7 @@ async def navigate(cdp: Cdp, page: str, url: str) -> None:
 
 
 async def test_demo_page_streams_audio_and_stops(chromium_path, tiny_checkpoint, tmp_path):
-    with running_server(tiny_checkpoint) as (server, engine):
+    with running_server(tiny_checkpoint, engine_config=LISTENER_PACED) as (server, engine):
         pages = idle_pages(engine)
         with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
             async with connect(browser_url, max_size=2**26) as ws:
@@ -313,7 +318,10 @@ async def test_demo_page_streams_audio_and_stops(chromium_path, tiny_checkpoint,
 async def test_demo_page_takes_the_api_key(chromium_path, tiny_checkpoint, tmp_path):
     """With keys set, the page without one is told so (close 4401); with `?key=` it connects
     (the key as a WebSocket subprotocol), polls the stats (Bearer) and speaks."""
-    with running_server(tiny_checkpoint, api_keys=("page-key",)) as (server, engine):
+    with running_server(tiny_checkpoint, engine_config=LISTENER_PACED, api_keys=("page-key",)) as (
+        server,
+        engine,
+    ):
         pages = idle_pages(engine)
         with launch(chromium_path, str(tmp_path / "profile")) as browser_url:
             async with connect(browser_url, max_size=2**26) as ws:
