@@ -519,13 +519,15 @@ async def test_a_decode_call_takes_at_most_its_row_frames(make_engine) -> None:
         stream.cancel()
 
 
-@pytest.mark.parametrize(("head_s", "shape"), [(0.05, (4, 1)), (0.1, (4, 3)), (2.0, (4, 4))])
+# 0.125 s: three frames a row (12-15 row-frames of 8 ms) for the first 29 ms that the worker
+# takes to plan its call, where 0.1 s left 4 ms before a loaded machine made it two.
+@pytest.mark.parametrize(("head_s", "shape"), [(0.05, (4, 1)), (0.125, (4, 3)), (2.0, (4, 4))])
 async def test_a_decode_call_ends_before_the_least_buffered_stream_runs_dry(
     make_engine, head_s: float, shape: tuple[int, int]
 ) -> None:
     """Rows take fewer frames where the call would last longer than the least-buffered stream's
     audio, or longer than `MAX_CALL_S` (0.16 s), by the worker's measured seconds per
-    row-frame: at 8 ms, 0.05 s buffered leaves one frame per row, 0.1 s three; seconds
+    row-frame: at 8 ms, 0.05 s buffered leaves one frame per row, 0.125 s three; seconds
     buffered leave four (0.16 s). Its audio comes only at the end of the call."""
     engine = make_engine()
     worker, calls = recording_worker(engine)
