@@ -32,6 +32,7 @@ from websockets.asyncio.client import connect
 from intone.provider.server import ServerSettings, create_app
 
 from support.server import (
+    LISTENER_PACED,
     LONG_TEXT,
     TEST_SETTINGS,
     ServerThread,
@@ -40,11 +41,6 @@ from support.server import (
     running_server,
     wait_engine_idle,
 )
-
-# The barge-in tests stop a stream while it plays. Unpaced, the tiny engine renders a reply
-# in a few hundred milliseconds, before a click can reach it: paced to a real-time listener
-# the stream lasts about as long as its audio.
-LISTENER_PACED = {"pacing": "hold", "lead_s": 1.0}
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 

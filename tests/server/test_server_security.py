@@ -22,6 +22,7 @@ from intone.provider.server.limits import LimitError, Limits
 from intone.provider.server.logs import ClientErrorLog, ClientMistakeFilter, KeyValueFormatter
 
 from support.server import (
+    LISTENER_PACED,
     LONG_TEXT,
     ServerThread,
     idle_pages,
@@ -253,8 +254,7 @@ async def test_stream_lifetime_ends_streams_and_cuts_raw_audio(tiny_checkpoint):
     # Paced to a real-time listener ("hold"): the 29 s of LONG_TEXT's audio take about that
     # long, where the watchdog (a round every 0.5 s) cuts within ~1 s. Unpaced, the tiny
     # engine renders it in ~1.1 s, and a round that came late let the request finish.
-    pacing = {"pacing": "hold", "lead_s": 1.0}
-    with running_server(tiny_checkpoint, engine_config=pacing, max_stream_seconds=0.5) as (
+    with running_server(tiny_checkpoint, engine_config=LISTENER_PACED, max_stream_seconds=0.5) as (
         server,
         engine,
     ):

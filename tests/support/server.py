@@ -91,6 +91,12 @@ class ServerThread:
         return f"ws://127.0.0.1:{self.port}/v1/stream"
 
 
+# For a test that needs a stream still running when it acts (a barge-in, a lifetime cut):
+# unpaced, the tiny engine renders seconds of audio in a fraction of a second; paced to a
+# real-time listener a stream lasts about as long as its audio.
+LISTENER_PACED: dict[str, Any] = {"pacing": "hold", "lead_s": 1.0}
+
+
 def make_engine(checkpoint: Path, **config: Any) -> Engine:
     # As fast as the machine goes unless a test asks for playback pacing: these tests read
     # their audio as fast as it comes and wait for the end of long texts.
