@@ -81,10 +81,6 @@ class Admission:
     decode: StageCost  # one decode call of `DECODE_FRAMES` frames per row
     measured_in_s: float
 
-    def frame_cost(self, rows: int) -> float:
-        """Seconds (CPU seconds on a CPU, wall on a GPU) of one frame of audio for `rows`."""
-        return self.generate.at(rows) + self.decode.at(rows) / DECODE_FRAMES
-
     def as_dict(self) -> dict:
         result = asdict(self)
         result["headroom"] = HEADROOM

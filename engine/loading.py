@@ -25,8 +25,6 @@ from intone.engine.text import TextOptions, Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = releases.DEFAULT_MODEL
-# Names that mean the released English model (its `source`).
-RELEASED_ALIASES = {DEFAULT_MODEL, "english", "pocket-tts", "en"}
 # Predefined voices: voice states precomputed per release, as the reference fetches them.
 RELEASED_VOICE_URL = (
     "hf://kyutai/pocket-tts-without-voice-cloning/languages/{release}/embeddings/"

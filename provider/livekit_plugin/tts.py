@@ -171,7 +171,6 @@ class TTS(tts.TTS):
         )
         if engine is not None and (model is not None or language is not None):
             raise ValueError("an engine of yours speaks its own model: no model= or language=")
-        self._base_url = base_url
         self._own_engine = engine
         self._backends = backends.Backends(base_url=base_url, engine=engine, config=engine_config)
         self._opts = _TTSOptions(
