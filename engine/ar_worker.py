@@ -264,7 +264,8 @@ class ARWorker:
                 # Before the other rows' step, so they reach the decoder while that step runs.
                 self._emit(first)
                 # The prefilled rows join that step: a clause's second latent comes a step sooner
-                # (a new stream's first frame plays for 80 ms only).
+                # (a new stream's first frame plays for 80 ms only). A stream whose first frame
+                # the decoder worker has starts no step for that (`PacingPolicy.need`).
                 with self.lock:
                     t = now()
                     joining = [
@@ -272,6 +273,7 @@ class ARWorker:
                         for r, _ in first
                         if r.phase is Phase.GENERATING
                         and self.scheduler.need(r, t) is not Need.NONE
+                        and (generate or not r.first_audio_decoding)
                     ]
                 generate += self._prepare(joining, noise_of)
             if generate:

@@ -106,6 +106,7 @@ class DecoderWorker:
         max_frames_per_call: int,
         max_row_frames_per_call: int,
         on_row_freed: Callable[[Request], None],
+        on_first_audio: Callable[[Request], None],
         on_finished: Callable[[Request, FinishItem], None],
         on_failed: Callable[[Request, Exception], None],
         on_fatal: Callable[[str, BaseException], None],
@@ -125,6 +126,7 @@ class DecoderWorker:
         self.max_frames_per_call = max_frames_per_call
         self.max_row_frames_per_call = max_row_frames_per_call
         self.on_row_freed = on_row_freed
+        self.on_first_audio = on_first_audio
         self.on_finished = on_finished
         self.on_failed = on_failed
         self.on_fatal = on_fatal
@@ -412,7 +414,8 @@ class DecoderWorker:
         for index, item in enumerate(row):
             frame = samples[index * frame_size : (index + 1) * frame_size]
             delivered_at = now()
-            if request.frames_delivered == 0:
+            first = request.frames_delivered == 0
+            if first:
                 frame = fade_in(frame, self.sample_rate)
                 request.metrics.first_audio_at = delivered_at
             request.frames_delivered += 1
@@ -422,6 +425,8 @@ class DecoderWorker:
             self.metrics.audio(seconds)
             if not dropped(request):
                 request.sink(AudioChunk(frame, item.clause))
+            if first:
+                self.on_first_audio(request)
 
 
 def running_mean(previous: float | None, value: float) -> float:

@@ -134,6 +134,7 @@ class Engine:
             max_frames_per_call=config.max_decode_frames,
             max_row_frames_per_call=config.max_decode_row_frames,
             on_row_freed=self._decoder_row_freed,
+            on_first_audio=self._first_audio,
             on_finished=self._decoder_finished,
             on_failed=self._decode_failed,
             on_fatal=self._fail,
@@ -427,6 +428,11 @@ class Engine:
         """A parked request's decoder row is free (its history saved)."""
         with self._lock:
             self.scheduler.decoder_row_freed(request)
+            self._lock.notify_all()
+
+    def _first_audio(self, request: Request) -> None:
+        """A stream's first audio is out: its next AR step may start one (`PacingPolicy.need`)."""
+        with self._lock:
             self._lock.notify_all()
 
     def _decoder_finished(self, request: Request, item: FinishItem) -> None:

@@ -121,6 +121,11 @@ class Request:
     options: GenerationOptions = field(default_factory=GenerationOptions)
     sink: Callable[[object], None] = lambda event: None
 
+    @property
+    def first_audio_decoding(self) -> bool:
+        """Its first latents are with the decoder worker and no audio has come back yet."""
+        return self.in_decoder and self.frames_delivered == 0 and self.frames_generated > 0
+
 
 def now() -> float:
     return time.perf_counter()

@@ -374,6 +374,41 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     check_outcome(outcome, reference, TEXTS[0], "default", opts, "first audio on the AR thread")
 
 
+async def test_a_stream_alone_takes_no_ar_step_beside_its_first_frame(
+    make_engine, reference: Reference
+) -> None:
+    """On an idle engine the decoder thread decodes a new stream's first frame at once, and no
+    AR step runs beside it (it would share the machine: 12 ms alone, 17-21 ms beside one at
+    full size on 2 cores); the stream's next step waits for that audio, then comes at once.
+    The audio is unchanged."""
+    engine = make_engine(lead_s=None)
+    events: list[str] = []
+    runner = engine.runner
+    generate, decode, decode_detached = runner.generate, runner.decode, runner.decode_detached
+
+    def recorded(name, call):
+        def run(*args):
+            events.append(f"{name} starts")
+            result = call(*args)
+            events.append(f"{name} ends")
+            return result
+
+        return run
+
+    runner.generate = recorded("generate", generate)
+    runner.decode = recorded("decode", decode)
+    runner.decode_detached = recorded("decode", decode_detached)
+    opts = options(72, max_frames=6)
+    stream = engine.stream(None, opts)
+    stream.push_text(TEXTS[0])
+    stream.end_input()
+    outcome = Outcome(await asyncio.wait_for(drain(stream), TIMEOUT))
+    first = events.index("decode starts")
+    assert "generate starts" not in events[:first], events
+    assert events[first : first + 3] == ["decode starts", "decode ends", "generate starts"], events
+    check_outcome(outcome, reference, TEXTS[0], "default", opts, "alone")
+
+
 async def test_a_new_stream_that_ends_before_its_first_audio_is_whole_is_decoded(
     make_engine, reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,6 +482,7 @@ def recording_worker(
     worker = DecoderWorker(
         engine.runner, EngineMetrics({}), engine.sample_rate, max_batch=16,
         max_frames_per_call=4, max_row_frames_per_call=max_row_frames, on_row_freed=ignore,
+        on_first_audio=ignore,
         on_finished=ignore, on_failed=ignore, on_fatal=ignore, paced=paced,
         yield_after_s=yield_after_s,
     )  # fmt: skip
