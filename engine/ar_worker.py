@@ -37,7 +37,7 @@ from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.request import Phase, Request, now
-from intone.engine.scheduler import Scheduler
+from intone.engine.scheduler import DraftPass, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,15 @@ class ARWorker:
                         self.decoder.put(ParkItem(request))
                     for request, error in batch.failed:
                         self._finish(request, error=failed("starting a clause", error))
-                    if batch.prefill or batch.generate:
+                    if batch.prefill or batch.generate or batch.drafts:
                         break
                     self.rows_generating = 0
                     if not (batch.failed or batch.parked):
                         self.lock.wait(self._next_wake(t))
-            self._step(batch.prefill, batch.generate)
+            if batch.drafts:
+                self._prefill_drafts(batch.drafts)
+            else:
+                self._step(batch.prefill, batch.generate)
 
     def _metrics_paced(self, held: int, elapsed: float) -> None:
         if self.streams_paced and elapsed > 0:
@@ -281,6 +284,28 @@ class ARWorker:
                 self._emit(done)
         finally:
             self.decoder.first_frames_due = False
+
+    def _prefill_drafts(self, drafts: list[DraftPass]) -> None:
+        """Prefill first clauses' drafts (the AR stage has nothing else to run). A pass that
+        fails only loses its head start: its drafts are dropped, and their clauses' own prompt
+        passes do it all."""
+        tables = []
+        for item in drafts:
+            assert item.request.draft is not None and item.request.draft.table is not None
+            tables.append((item.request.draft.table, item.tokens[len(item.tokens) - item.new :]))
+        try:
+            self.runner.prefill_drafts(tables)
+        except Exception:
+            logger.exception("a draft pass failed; its clauses start from their text")
+            with self.lock:
+                for item in drafts:
+                    self.scheduler.release_draft(item.request.draft)
+                    item.request.draft = None
+            return
+        with self.lock:
+            for item in drafts:
+                assert item.request.draft is not None
+                item.request.draft.written = item.tokens
 
     def _prepare(self, requests: list[Request], noise_of: dict[str, torch.Tensor]) -> list[Request]:
         """Draw each row's noise for its next pass (into `noise_of`) and extend its pages by the

@@ -82,8 +82,9 @@ class BlockManager:
         return table, prefix.pages[full]
 
     def reserve(self, table: PageTable, final_length: int, copy_partial: bool = False) -> bool:
-        """Promise the pages `table` needs to reach `final_length`; False if they are not free."""
-        needed = self.pages_for(final_length) - len(table.pages)
+        """Promise the pages `table` needs to reach `final_length`, past those it holds or has
+        been promised; False if they are not free."""
+        needed = max(self.pages_for(final_length) - len(table.pages) - table.reserved, 0)
         if needed > self.pages_available:
             return False
         table.reserved += needed
@@ -105,6 +106,10 @@ class BlockManager:
             if table.reserved <= 0:
                 raise RuntimeError("sequence outgrew its KV reservation")
             table.pages.append(self._use_reservation(table))
+
+    def truncate(self, table: PageTable, length: int) -> None:
+        """Forget `table`'s positions past `length`: its pages stay, to be written again."""
+        table.length = min(table.length, length)
 
     def release(self, table: PageTable) -> None:
         for page in table.pages:

@@ -300,6 +300,16 @@ class ModelRunner:
             tensors["eos_thresholds"],
         )
 
+    @torch.no_grad()
+    def prefill_drafts(self, drafts: list[tuple[PageTable, list[int]]]) -> None:
+        """Write the K/V of first clauses' drafts (`request.Draft`): each table ends with the
+        positions of its tokens, on top of what it holds. One packed pass, no latent."""
+        steps = [SequenceStep(self.blocks.slots(table), len(tokens)) for table, tokens in drafts]
+        prompts = torch.cat([self.prompt_embeddings(tokens, None) for _, tokens in drafts])
+        positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
+        with self._busy():
+            self.flow_lm.backbone(prompts, positions, attention)
+
     def prefill(
         self, requests: list[Request], noise: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,17 @@ class Clause:
 
 
 @dataclass
+class Draft:
+    """A stream's first clause while its text still comes: the prompt tokens of its complete
+    words so far, prefilled while the caller waits for the clause to end, so that its prompt
+    pass has only the rest to do."""
+
+    tokens: list[int]  # wanted (the caller's side, under the engine lock)
+    table: PageTable | None = None  # the voice's pages, then the tokens written (AR thread)
+    written: list[int] = field(default_factory=list)  # the tokens whose K/V the table holds
+
+
+@dataclass
 class RequestMetrics:
     submitted_at: float
     first_audio_at: float | None = None
@@ -48,6 +59,8 @@ class RequestMetrics:
     # Audio generated while more than `lead_s` ahead of the listener: compute the stream took
     # because nobody nearer an underrun needed it (pacing "yield"; engine/pacing.py).
     yielded_seconds: float = 0.0
+    # Prompt tokens of the first clause that its draft had prefilled before the clause was cut.
+    draft_tokens: int = 0
 
     @property
     def ttfa(self) -> float | None:
@@ -111,6 +124,7 @@ class Request:
     progress: ClauseProgress | None = None
     latents: list[torch.Tensor] = field(default_factory=list)
     tail: torch.Tensor | None = None
+    draft: Draft | None = None  # the first clause's words so far, before it is cut
     frames_generated: int = 0  # latents kept, over every clause: the audio generated so far
     in_decoder: bool = False  # has put items on the decoder queue (it must see the end too)
     # Decoder state.

@@ -52,7 +52,7 @@ from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
-from intone.engine.request import Phase, Request
+from intone.engine.request import Draft, Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
@@ -66,9 +66,19 @@ class Batch:
     generate: list[Request]
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     parked: list[Request] = field(default_factory=list)  # gave their row up this iteration
+    # First clauses' drafts to prefill, each with the tokens its table has just grown by
+    # (`Scheduler.drafts`): only in an iteration with nothing else to run.
+    drafts: list[DraftPass] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill or self.generate or self.failed)
+        return bool(self.prefill or self.generate or self.failed or self.drafts)
+
+
+@dataclass
+class DraftPass:
+    request: Request
+    tokens: list[int]  # the draft's tokens as this pass writes them
+    new: int  # how many of them, at the end, the pass writes (its table holds them all)
 
 
 class Scheduler:
@@ -172,6 +182,8 @@ class Scheduler:
             self.running.remove(request)
             self.decoder_rows_to_free.add(request.id)
         self.end_clause(request)
+        self.release_draft(request.draft)
+        request.draft = None
         request.tail = None
         if request.phase is not Phase.FINISHED:
             self.voices.unpin(request.voice)  # the stream's hold on its voice's pages
@@ -196,22 +208,45 @@ class Scheduler:
         return self.blocks.num_pages - self.voices.held_pages()
 
     def start_clause(self, request: Request) -> bool:
-        """Move the request's next clause onto reserved pages; False if the pool is short.
+        """Move the request's next clause onto reserved pages, on top of its draft's where the
+        draft's tokens start the clause; False if the pool is short.
 
-        On an exception nothing changed: the clause is still pending and no page is held.
+        On an exception the clause is still pending and no page is held (its draft, only a head
+        start, may be gone).
         """
         clause = request.pending[0]
         voice = self.voices[request.voice].table
         assert voice is not None, "a stream's voice stays resident while it is open"
         tail = request.tail.shape[0] if request.tail is not None else 0
-        final = voice.length + tail + len(clause.plan.tokens) + clause.plan.max_frames
-        prompt = self.runner.prompt_embeddings(clause.plan.tokens, request.tail)
-        table, partial_page = self.blocks.share(voice)
+        tokens = clause.plan.tokens
+        final = voice.length + tail + len(tokens) + clause.plan.max_frames
+        # A draft's tokens that start the clause are in its table already; one is always left
+        # for the prompt pass.
+        draft = request.draft
+        drafted = 0
+        if draft is not None and draft.table is not None and request.tail is None:
+            drafted = min(common_prefix(draft.written, tokens), len(tokens) - 1)
+        prompt = self.runner.prompt_embeddings(tokens[drafted:], request.tail)
+        request.draft = None
+        partial_page = None
+        if drafted:
+            assert draft is not None and draft.table is not None
+            table = draft.table
+            self.blocks.truncate(table, voice.length + drafted)
+        else:
+            self.release_draft(draft)
+            table, partial_page = self.blocks.share(voice)
         copy = partial_page is not None
         if not self.blocks.reserve(table, final, copy_partial=copy):
-            # Idle voices' pages can go (they are loaded again when a stream needs them).
-            needed = self.blocks.pages_for(final) - len(table.pages)
-            if not (self.voices.make_room(needed) and self.blocks.reserve(table, final, copy)):
+            # Other streams' drafts are only a head start, and idle voices' pages can go (they
+            # are loaded again when a stream needs them).
+            for other in self.idle.values():
+                self.release_draft(other.draft)
+            needed = self.blocks.pages_for(final) - len(table.pages) - table.reserved
+            if not (
+                self.blocks.reserve(table, final, copy)
+                or (self.voices.make_room(needed) and self.blocks.reserve(table, final, copy))
+            ):
                 self.blocks.release(table)
                 return False
         try:
@@ -223,6 +258,7 @@ class Scheduler:
             self.blocks.release(table)
             raise
         request.pending.popleft()
+        request.metrics.draft_tokens += drafted
         request.clause = clause
         request.table = table
         request.prompt = prompt
@@ -230,6 +266,45 @@ class Scheduler:
         request.latents = []
         request.phase = Phase.PREFILL
         return True
+
+    def release_draft(self, draft: Draft | None) -> None:
+        if draft is not None and draft.table is not None:
+            self.blocks.release(draft.table)
+            draft.table = None
+            draft.written = []
+
+    def drafts(self) -> list[DraftPass]:
+        """The passes that bring the drafts of streams with no row yet up to their tokens,
+        each table truncated to what its tokens share with what it holds and grown by the
+        rest. A draft the pool has no pages for waits (it is only a head start)."""
+        passes = []
+        for request in self.idle.values():
+            draft = request.draft
+            if draft is None or draft.tokens == draft.written:
+                continue
+            voice = self.voices[request.voice].table
+            assert voice is not None, "a stream's voice stays resident while it is open"
+            if draft.table is None:
+                draft.table, partial_page = self.blocks.share(voice)
+                copy = partial_page is not None
+                if not self.blocks.reserve(draft.table, voice.length + len(draft.tokens), copy):
+                    self.release_draft(draft)
+                    continue
+                if partial_page is not None:
+                    self.runner.copy_page(
+                        partial_page, draft.table.pages[-1], voice.length % self.blocks.page_size
+                    )
+            elif not self.blocks.reserve(draft.table, voice.length + len(draft.tokens)):
+                continue
+            kept = common_prefix(draft.written, draft.tokens)
+            self.blocks.truncate(draft.table, voice.length + kept)
+            draft.written = draft.written[:kept]
+            if kept < len(draft.tokens):
+                self.blocks.extend(draft.table, len(draft.tokens) - kept)
+                passes.append(DraftPass(request, list(draft.tokens), len(draft.tokens) - kept))
+            else:
+                draft.written = list(draft.tokens)
+        return passes
 
     def end_clause(self, request: Request) -> None:
         if request.table is not None:
@@ -339,7 +414,10 @@ class Scheduler:
         else:
             generate = within + spare[: self._padding(len(within))]
             self.bursting = bool(within)
-        return Batch(prefill, generate, failed, parked)
+        # Nothing else to run or admit: first clauses' prompt passes may begin before their
+        # text ends.
+        drafts = [] if prefill or generate or self.waiting else self.drafts()
+        return Batch(prefill, generate, failed, parked, drafts)
 
     def _padding(self, rows: int) -> int:
         """Rows a step of `rows` is padded with anyway (batch buckets): free for spare rows."""
@@ -353,3 +431,9 @@ class Scheduler:
         for request in self.running:
             rows[request.tenant] = rows.get(request.tenant, 0) + 1
         return rows
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items `a` and `b` share."""
+    pairs = zip(a, b, strict=False)
+    return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))

@@ -33,7 +33,7 @@ from intone.engine.loading import LoadedModel
 from intone.engine.options import ClausePlan, GenerationOptions
 from intone.engine.pacing import PacingPolicy
 from intone.engine.playback import Playback
-from intone.engine.request import Clause, Phase, Request, RequestMetrics, now
+from intone.engine.request import Clause, Draft, Phase, Request, RequestMetrics, now
 from intone.engine.scheduler import Scheduler
 from intone.engine.text import ClauseSplitter, check_text, plan_clause
 from intone.engine.word_timing import Timeline
@@ -140,6 +140,28 @@ class StreamHost:
             )
         return plan
 
+    def draft(self, request: Request, text: str) -> None:
+        """The words of `request`'s first clause so far, before it is cut (`Stream._draft`):
+        their prompt pass may begin now (`Draft`). Only a head start: text that cannot be
+        planned has none (its clause says why when it is cut)."""
+        try:
+            plan = self.plan(request, text)
+        except ValueError:
+            return
+        # The last token is the mark the text preparation ends a clause with, where the rest
+        # of this clause's words will go.
+        tokens = plan.tokens[:-1]
+        if not tokens:
+            return
+        with self.lock:
+            if request.frames_generated or request.pending or request.phase is not Phase.WAITING:
+                return  # the clause is cut (or the stream over): the draft is too late
+            if request.draft is None:
+                request.draft = Draft(tokens)
+            else:
+                request.draft.tokens = tokens
+            self.lock.notify_all()
+
     def submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
         """Queue planned clauses of `request`; `end`: no more will come."""
         with self.lock:
@@ -186,6 +208,7 @@ class Stream:
         self._chars = 0
         self._clauses = 0
         self._has_text = False
+        self._drafted: str | None = None  # the first clause's text last given as its draft
         # Speed and clause/word timing, applied as events reach the caller.
         self._timeline = Timeline.for_stream(host.loaded, request.options)
         self._ready: deque[AudioChunk | ClauseDone] = deque()
@@ -215,6 +238,7 @@ class Stream:
         self._chars += len(text)
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
+        self._draft()
         self._arm_timer()
         self._check_dry()
 
@@ -233,6 +257,15 @@ class Stream:
             if start:
                 await asyncio.sleep(0)
             self.push_text(text[start : start + PUSH_PIECE_CHARS])
+
+    def _draft(self) -> None:
+        """Give the engine the first clause's words so far, before the clause is cut: its
+        prompt pass begins while the caller waits for the clause's end (`Draft`)."""
+        text = self._splitter.draft
+        if self._clauses or text is None or text == self._drafted:
+            return
+        self._drafted = text
+        self._host.draft(self.request, text)
 
     def _check_length(self, chars: int) -> None:
         limit = self._host.config.max_text_chars

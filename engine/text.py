@@ -452,6 +452,15 @@ class ClauseSplitter:
         """Whether complete words wait in the buffer for their clause to end."""
         return self._word_end is not None and has_word(self._buf[: self._word_end])
 
+    @property
+    def draft(self) -> str | None:
+        """The first clause's complete words so far, while it waits for its end: the text it
+        will most likely start with (None once it is cut, and for the clauses after it)."""
+        if not self._first or not self.holds_words:
+            return None
+        assert self._word_end is not None
+        return self._buf[: self._word_end]
+
     def push(self, text: str) -> list[str]:
         """Append text; return the clauses it completes."""
         out = self.poll()

@@ -119,6 +119,26 @@ def test_reserve_fails_when_short_and_changes_nothing() -> None:
     check_invariants(bm, [voice, a, b, c])
 
 
+def test_a_table_grows_its_reservation_and_rewrites_positions_it_truncated() -> None:
+    """A draft's table: reserved for its tokens, then for its clause; truncated where the
+    clause parts from it, its pages kept for the positions written again."""
+    bm = BlockManager(8, 4)
+    table = PageTable()
+    assert bm.reserve(table, 6)  # 2 pages
+    bm.extend(table, 6)
+    assert bm.reserve(table, 6) and table.reserved == 0  # held already: nothing more promised
+    assert bm.reserve(table, 13)  # 2 more
+    assert table.reserved == 2 and bm.reserved == 2
+    bm.truncate(table, 3)
+    assert table.length == 3 and len(table.pages) == 2
+    bm.extend(table, 10)  # positions 3..12: the second page again, then the two promised
+    assert table.length == 13 and len(table.pages) == 4 and table.reserved == 0
+    assert not bm.reserve(table, 13 + 4 * 5)  # 5 more pages: 4 are free
+    check_invariants(bm, [table])
+    bm.release(table)
+    assert bm.pages_available == 8
+
+
 def test_share_a_whole_page_prefix() -> None:
     bm = BlockManager(8, 4)
     voice = bm.allocate(8)  # exactly 2 pages

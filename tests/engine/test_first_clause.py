@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions
+from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions, Stream
 from intone.engine.errors import InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.text import ClauseSplitter, split_clauses
+from intone.engine.text import ClauseSplitter, plan_clause, split_clauses
 
 from support.checkpoints import checkpoint
+from support.engine import voice_pages, wait_idle
 
 NO_EOS = 1e9
 TOKEN_S = 0.025  # an LLM at 40 tokens/s
@@ -472,3 +473,142 @@ async def test_the_deadline_rule_cuts_before_the_audio_runs_out(engine: Engine):
     assert_words_kept(
         "Sure. I am looking for the booking you made yesterday.", [d.text for d in done]
     )
+
+
+# ---- drafts: the first clause's prompt pass begins before the clause is cut
+
+
+def test_the_splitter_drafts_the_first_clause_from_its_complete_words(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=50)
+    assert sp.draft is None
+    sp.push(" I checked your acc")
+    assert sp.draft == " I checked your"  # not the word still coming
+    clock.now += 0.1
+    assert sp.poll() == ["I checked your"]
+    assert sp.draft is None  # cut: only a first clause has a draft
+    sp.push("ount and it is")
+    assert sp.draft is None
+    sp.flush()
+    sp.push(" Then more")
+    assert sp.draft == " Then"  # after a flush the next clause is a first clause again
+
+
+@pytest.fixture(scope="module")
+def exact_engine(tiny_checkpoint: Path) -> Iterator[Engine]:
+    """float32 throughout: a prompt pass split in two then gives what one pass gives, to
+    rounding (int8 activations are quantized per pass), where a word changed moves the audio
+    by 100 times more."""
+    config = EngineConfig(num_pages=512, lead_s=None, dtype="float32")
+    engine = Engine(load_model(tiny_checkpoint), config).start()
+    yield engine
+    engine.close()
+
+
+async def written(stream: Stream) -> None:
+    """Until the stream's draft is in its pages."""
+    async with asyncio.timeout(30):
+        while (draft := stream.request.draft) is None or draft.written != draft.tokens:
+            await asyncio.sleep(0.002)
+
+
+async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarray, int]:
+    """`words` pushed a word at a time, each drafted before the next comes, then `rest`, which
+    ends the first clause: the audio and how many of its tokens the draft had prefilled."""
+    stream = engine.stream(
+        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    )
+    for token in llm_tokens(words):
+        stream.push_text(token)
+        async with asyncio.timeout(30):
+            while (draft := stream.request.draft) is not None and draft.written != draft.tokens:
+                await asyncio.sleep(0.002)
+    stream.push_text(rest)
+    stream.end_input()
+    async with asyncio.timeout(30):
+        audio = [e.samples async for e in stream if isinstance(e, AudioChunk)]
+    return np.concatenate(audio), stream.metrics.draft_tokens
+
+
+async def said_at_once(engine: Engine, text: str) -> np.ndarray:
+    stream = engine.stream(
+        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    )
+    stream.push_text(text)
+    stream.end_input()
+    async with asyncio.timeout(30):
+        return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+
+
+async def test_a_drafted_first_clause_says_what_it_would_have_said(exact_engine: Engine):
+    engine = exact_engine
+    pages = engine.blocks.pages_in_use
+    words, rest = " I checked with our", " warehouse team."
+    drafted, reused = await drafted_turn(engine, words, rest)
+    at_once = await said_at_once(engine, words + rest)
+    assert drafted.shape == at_once.shape
+    np.testing.assert_allclose(drafted, at_once, rtol=0, atol=1e-6)
+    tokens = plan_clause(engine.loaded, (words + rest).strip(), options()).tokens
+    assert 0 < reused < len(tokens)
+    assert engine.blocks.pages_in_use == pages  # the draft's pages went back with the stream
+
+
+async def test_a_draft_the_clause_parts_from_keeps_only_what_they_share(exact_engine: Engine):
+    engine = exact_engine
+    pages = engine.blocks.pages_in_use
+    stream = engine.stream(
+        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    )
+    engine.stream_host.draft(stream.request, "Your total goes up")
+    await written(stream)
+    stream.push_text(" Your total comes to twelve.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        audio = np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+    at_once = await said_at_once(engine, " Your total comes to twelve.")
+    np.testing.assert_allclose(audio, at_once, rtol=0, atol=1e-6)
+    assert stream.metrics.draft_tokens > 0
+    assert engine.blocks.pages_in_use == pages
+
+
+async def test_a_stream_cancelled_while_its_first_clause_is_drafted_leaves_no_pages(
+    engine: Engine,
+):
+    pages = engine.blocks.pages_in_use
+    stream = engine.stream(
+        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    )
+    stream.push_text(" I checked your account and")
+    await written(stream)
+    assert engine.blocks.pages_in_use > pages  # the draft holds pages of its own
+    stream.cancel()
+    async with asyncio.timeout(30):
+        while engine.blocks.pages_in_use != pages:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_clause_short_of_pages_takes_them_from_other_streams_drafts(make_engine):
+    """A pool with pages for one clause: a draft of another stream holds some, and the clause
+    still starts (a draft is only a head start); the drafted stream then speaks too."""
+    wait = options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+    sizing = make_engine(second_voice=False)
+    voice = sizing.default_voice
+    text = " Your table for four is ready by the window, and the menu is on its way."
+    tokens = plan_clause(sizing.loaded, text, wait).tokens
+    clause = sizing.scheduler.clause_pages(voice, len(tokens), wait.max_frames)
+    pages = sizing.blocks.pages_for(sizing.scheduler.voices[voice].length) + clause
+    engine = make_engine(second_voice=False, num_pages=pages)
+    drafted = engine.stream(None, wait)
+    drafted.push_text(" I checked your account and")
+    await written(drafted)
+    assert engine.blocks.pages_available < clause  # the draft holds pages the clause needs
+    other = engine.stream(None, wait)
+    other.push_text(text)
+    other.end_input()
+    async with asyncio.timeout(30):
+        assert [e async for e in other if isinstance(e, AudioChunk)]
+    drafted.push_text(" it is fine.")
+    drafted.end_input()
+    async with asyncio.timeout(30):
+        assert [e async for e in drafted if isinstance(e, AudioChunk)]
+    await wait_idle(engine, voice_pages(engine))
