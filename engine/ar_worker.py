@@ -292,7 +292,7 @@ class ARWorker:
         tables = []
         for item in drafts:
             assert item.request.draft is not None and item.request.draft.table is not None
-            tables.append((item.request.draft.table, item.tokens[len(item.tokens) - item.new :]))
+            tables.append((item.request.draft.table, item.tokens[item.kept :]))
         try:
             self.runner.prefill_drafts(tables)
         except Exception:

@@ -47,7 +47,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from intone.engine.block_manager import BlockManager
+from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
@@ -77,8 +77,8 @@ class Batch:
 @dataclass
 class DraftPass:
     request: Request
-    tokens: list[int]  # the draft's tokens as this pass writes them
-    new: int  # how many of them, at the end, the pass writes (its table holds them all)
+    tokens: list[int]  # the draft's tokens once this pass has written them
+    kept: int  # how many of them, at the start, its table held already: the pass writes the rest
 
 
 class Scheduler:
@@ -228,35 +228,16 @@ class Scheduler:
             drafted = min(common_prefix(draft.written, tokens), len(tokens) - 1)
         prompt = self.runner.prompt_embeddings(tokens[drafted:], request.tail)
         request.draft = None
-        partial_page = None
         if drafted:
             assert draft is not None and draft.table is not None
-            table = draft.table
-            self.blocks.truncate(table, voice.length + drafted)
+            table: PageTable | None = draft.table
+            self.blocks.truncate(draft.table, voice.length + drafted)
         else:
             self.release_draft(draft)
-            table, partial_page = self.blocks.share(voice)
-        copy = partial_page is not None
-        if not self.blocks.reserve(table, final, copy_partial=copy):
-            # Other streams' drafts are only a head start, and idle voices' pages can go (they
-            # are loaded again when a stream needs them).
-            for other in self.idle.values():
-                self.release_draft(other.draft)
-            needed = self.blocks.pages_for(final) - len(table.pages) - table.reserved
-            if not (
-                self.blocks.reserve(table, final, copy)
-                or (self.voices.make_room(needed) and self.blocks.reserve(table, final, copy))
-            ):
-                self.blocks.release(table)
-                return False
-        try:
-            if partial_page is not None:
-                self.runner.copy_page(
-                    partial_page, table.pages[-1], voice.length % self.blocks.page_size
-                )
-        except Exception:
-            self.blocks.release(table)
-            raise
+            table = None
+        table = self._clause_table(voice, final, table)
+        if table is None:
+            return False
         request.pending.popleft()
         request.metrics.draft_tokens += drafted
         request.clause = clause
@@ -266,6 +247,49 @@ class Scheduler:
         request.latents = []
         request.phase = Phase.PREFILL
         return True
+
+    def _clause_table(
+        self, voice: PageTable, final: int, table: PageTable | None
+    ) -> PageTable | None:
+        """`table` (a draft's), or a new one on `voice`, with pages promised up to `final`;
+        where the pool is short, other streams' drafts (only a head start) and idle voices
+        (loaded again when a stream needs them) give theirs up first. None if it still is (no
+        page held then)."""
+        for short_before in (False, True):
+            if short_before:
+                for other in self.idle.values():
+                    self.release_draft(other.draft)
+                held = voice.length // self.blocks.page_size
+                if table is not None:
+                    held = len(table.pages) + table.reserved
+                self.voices.make_room(self.blocks.pages_for(final) - held)
+            if table is None:
+                shared = self._share_voice(voice, final)
+                if shared is not None:
+                    return shared
+            elif self.blocks.reserve(table, final):
+                return table
+        if table is not None:
+            self.blocks.release(table)
+        return None
+
+    def _share_voice(self, voice: PageTable, final: int) -> PageTable | None:
+        """A table starting with the voice's positions (its full pages shared, a partial one
+        copied) with pages promised up to `final`; None if the pool is short. On an exception
+        no page is held."""
+        table, partial_page = self.blocks.share(voice)
+        if not self.blocks.reserve(table, final, copy_partial=partial_page is not None):
+            self.blocks.release(table)
+            return None
+        if partial_page is not None:
+            try:
+                self.runner.copy_page(
+                    partial_page, table.pages[-1], voice.length % self.blocks.page_size
+                )
+            except Exception:
+                self.blocks.release(table)
+                raise
+        return table
 
     def release_draft(self, draft: Draft | None) -> None:
         if draft is not None and draft.table is not None:
@@ -285,15 +309,14 @@ class Scheduler:
             voice = self.voices[request.voice].table
             assert voice is not None, "a stream's voice stays resident while it is open"
             if draft.table is None:
-                draft.table, partial_page = self.blocks.share(voice)
-                copy = partial_page is not None
-                if not self.blocks.reserve(draft.table, voice.length + len(draft.tokens), copy):
-                    self.release_draft(draft)
+                try:
+                    draft.table = self._share_voice(voice, voice.length + len(draft.tokens))
+                except Exception:
+                    logger.exception("a draft of %s could not start", request.id)
+                    request.draft = None
                     continue
-                if partial_page is not None:
-                    self.runner.copy_page(
-                        partial_page, draft.table.pages[-1], voice.length % self.blocks.page_size
-                    )
+                if draft.table is None:
+                    continue
             elif not self.blocks.reserve(draft.table, voice.length + len(draft.tokens)):
                 continue
             kept = common_prefix(draft.written, draft.tokens)
@@ -301,7 +324,7 @@ class Scheduler:
             draft.written = draft.written[:kept]
             if kept < len(draft.tokens):
                 self.blocks.extend(draft.table, len(draft.tokens) - kept)
-                passes.append(DraftPass(request, list(draft.tokens), len(draft.tokens) - kept))
+                passes.append(DraftPass(request, list(draft.tokens), kept))
             else:
                 draft.written = list(draft.tokens)
         return passes
