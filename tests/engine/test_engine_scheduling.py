@@ -356,6 +356,9 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     busy.push_text(TEXTS[2])
     busy.end_input()
     await asyncio.wait_for(busy.__anext__(), TIMEOUT)
+    async with asyncio.timeout(TIMEOUT):  # until the decoder has a backlog to work through
+        while busy.request.frames_generated - busy.request.frames_delivered < 4:
+            await asyncio.sleep(0.005)
     events.clear()
     new.push_text(TEXTS[0])
     new.end_input()
