@@ -30,6 +30,10 @@ Each iteration:
    (only a bucketed step's padding rows): they step, and their next clauses are prefilled, in
    the iterations where no stream within `lead_s` is due, so one of those waits at most one
    such step.
+4. an iteration with nothing else to run or admit prefills the drafts of streams whose first
+   clause is still being written (`drafts`, `request.Draft`), each on pages of its own; a clause
+   that starts takes over its draft's pages where the draft's tokens start it, and a clause short
+   of pages takes other drafts' first.
 
 The pacing policy (`PacingPolicy`, engine/pacing.py) is the scheduler's: it says, at the time
 `schedule` is given, which streams are held, how far ahead each is, and how much each needs a step.
