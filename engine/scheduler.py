@@ -261,7 +261,7 @@ class Scheduler:
         page held then)."""
         for short_before in (False, True):
             if short_before:
-                for other in self.idle.values():
+                for other in self.requests:  # a stream waiting for a row keeps its draft too
                     self.release_draft(other.draft)
                 held = voice.length // self.blocks.page_size
                 if table is not None:
