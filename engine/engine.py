@@ -157,7 +157,9 @@ class Engine:
             on_fatal=self._fail,
             shutdown_error=self._shutdown_error,
         )
-        self.stream_host = StreamHost(config, loaded, self._lock, self.scheduler, self.pacing)
+        self.stream_host = StreamHost(
+            config, loaded, self._lock, self.scheduler, self.pacing, self.admit
+        )
         self.voice_registry = VoiceRegistry(self._lock, self.scheduler.voices, self.model)
         self.default_voice = loaded.default_voice
         if self.default_voice in loaded.voices:
@@ -318,13 +320,22 @@ class Engine:
         `EngineConfig.max_rows_per_tenant`, one tenant's streams hold at most that many rows
         while others wait."""
         stream = self.stream_host.new_stream(voice or self.default_voice or "", options, tenant)
-        return self.voice_registry.with_resident(
-            stream.request.voice, self._check_serving, partial(self._open_stream, stream)
+        self.admit(stream.request)
+        return stream
+
+    def admit(self, request: Request, replacing: Request | None = None) -> None:
+        """Open `request` (a stream's, `StreamHost`), with its voice made resident; or in place
+        of `replacing`, which then ends with no event (`StreamHost.reseat`). Raises what
+        `stream` says, except EngineFullError for a request that takes another's place."""
+        self.voice_registry.with_resident(
+            request.voice, self._check_serving, partial(self._open_request, request, replacing)
         )
 
-    def _open_stream(self, stream: Stream, voice: VoicePrefix) -> Stream:
-        """Under the lock, with the stream's voice resident: check capacity and admit it."""
-        request, options = stream.request, stream.request.options
+    def _open_request(
+        self, request: Request, replacing: Request | None, voice: VoicePrefix
+    ) -> None:
+        """Under the lock, with the request's voice resident: check capacity and admit it."""
+        options = request.options
         voices = self.scheduler.voices
         voices.pin(voice)  # first, so that the capacity below counts its pages as held
         try:
@@ -334,16 +345,20 @@ class Engine:
                 raise InvalidOptionError(
                     f"chain_frames={options.chain_frames} does not fit in this engine's KV pool"
                 )
-            if len(self._open) >= self.config.max_streams:
+            if replacing is None and len(self._open) >= self.config.max_streams:
                 raise EngineFullError(f"{self.config.max_streams} streams already open")
-            if len(self.scheduler.waiting) >= self.config.max_queued:
+            if replacing is None and len(self.scheduler.waiting) >= self.config.max_queued:
                 raise EngineFullError(f"{self.config.max_queued} requests already queued")
         except BaseException:
             voices.unpin(request.voice)
             raise
+        if replacing is not None:
+            # Out of `_open` first, so that its end (below, on the AR thread) says nothing.
+            self._open.pop(replacing.id, None)
+            replacing.cancelled = True
+            self._lock.notify_all()
         self.scheduler.add(request)
         self._open[request.id] = request
-        return stream
 
     def _check_serving(self) -> None:
         if self._state == "running":

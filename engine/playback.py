@@ -34,6 +34,13 @@ class Playback:
             self.delivered += seconds / self.speed
             self.last_delivery_at = now
 
+    def restart(self, now: float) -> None:
+        """None of the audio delivered so far was heard before `now` (a guessed first clause's,
+        held back until its text confirmed it: `Stream._settle`): the clock starts again here."""
+        with self._lock:
+            if self._at is not None and not self._reported:
+                self._position, self._at = 0.0, now
+
     def report(self, seconds: float, now: float) -> None:
         """The consumer's own position: from now on the clock is what it reports."""
         with self._lock:

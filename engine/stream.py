@@ -15,8 +15,9 @@ import itertools
 import math
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -53,12 +54,15 @@ class StreamHost:
         lock: threading.Condition,
         scheduler: Scheduler,
         pacing: PacingPolicy,
+        admit: Callable[[Request, Request | None], None],
     ):
         self.config = config
         self.loaded = loaded
         self.lock = lock
         self.scheduler = scheduler
         self.pacing = pacing
+        # `Engine.admit`: a request into the engine, optionally in place of another.
+        self.admit = admit
         self._ids = itertools.count()
 
     @property
@@ -83,8 +87,18 @@ class StreamHost:
             raise InvalidOptionError(
                 f"this engine runs {self.config.flow_steps} flow step(s); got {options.flow_steps}"
             )
+        splitter = ClauseSplitter(
+            self.loaded.tokenizer,
+            min_tokens=self.config.clause_min_tokens,
+            first_clause_min_words=options.first_clause_min_words,
+            first_clause_max_wait_ms=options.first_clause_max_wait_ms,
+            max_tokens=self.config.clause_max_tokens,
+        )
+        return Stream(self, self._request(voice, options, tenant), splitter)
+
+    def _request(self, voice: str, options: GenerationOptions, tenant: str | None) -> Request:
         model_config = self.loaded.config
-        request = Request(
+        return Request(
             id=f"req-{next(self._ids)}",
             voice=voice,
             temperature=(
@@ -105,16 +119,16 @@ class StreamHost:
             playback=Playback(options.speed),
             tenant=tenant,
         )
-        splitter = ClauseSplitter(
-            self.loaded.tokenizer,
-            min_tokens=self.config.clause_min_tokens,
-            first_clause_min_words=options.first_clause_min_words,
-            first_clause_max_wait_ms=options.first_clause_max_wait_ms,
-            max_tokens=self.config.clause_max_tokens,
-        )
-        stream = Stream(self, request, splitter)
-        request.sink = stream.post
-        return stream
+
+    def reseat(self, stream: Stream) -> Request:
+        """A fresh request for `stream`, admitted in place of its current one, which ends with
+        no event (`Stream._settle`: its first clause was spoken on a guess the text then
+        proved wrong). What admission raises (EngineClosedError, UnknownVoiceError, ...)."""
+        old = stream.request
+        fresh = self._request(old.voice, old.options, old.tenant)
+        fresh.sink = partial(stream.post, fresh)
+        self.admit(fresh, old)
+        return fresh
 
     def plan(self, request: Request, text: str) -> ClausePlan:
         """The plan of one clause of `request`; TextTooLongError if it could never fit."""
@@ -200,6 +214,7 @@ class Stream:
     def __init__(self, host: StreamHost, request: Request, splitter: ClauseSplitter):
         self._host = host
         self.request = request
+        request.sink = partial(self.post, request)
         self._splitter = splitter
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
@@ -209,6 +224,10 @@ class Stream:
         self._clauses = 0
         self._has_text = False
         self._drafted: str | None = None  # the first clause's text last given as its draft
+        # The first clause, queued before the text confirmed where it ends (`_guess`), and
+        # its events, held back until the text does.
+        self._guessed: str | None = None
+        self._held: list[AudioChunk | ClauseDone] = []
         # Speed and clause/word timing, applied as events reach the caller.
         self._timeline = Timeline.for_stream(host.loaded, request.options)
         self._ready: deque[AudioChunk | ClauseDone] = deque()
@@ -239,6 +258,7 @@ class Stream:
         self._has_text |= bool(text.strip())
         self._submit(self._splitter.push(text))
         self._draft()
+        self._guess()
         self._arm_timer()
         self._check_dry()
 
@@ -267,6 +287,45 @@ class Stream:
         self._drafted = text
         self._host.draft(self.request, text)
 
+    def _guess(self) -> None:
+        """Queue the first clause as soon as one more space would end it ("Okay." before the
+        " Let" that follows): an LLM's next token most often starts with one, and the caller
+        would wait that token for audio that can already be on its way. Its events are held
+        until the text confirms the clause (`_settle`)."""
+        if self._clauses or self._closed:
+            return
+        text = self._splitter.likely_clause
+        if text is None:
+            return
+        self._guessed = text
+        self._queue([text])
+
+    def _settle(self, texts: list[str]) -> list[str]:
+        """The clauses the splitter gave out, less the guessed first clause if they confirm it
+        (`_submit` then lets its held events out). If the text parted from the guess ("Okay."
+        was "Okay.com"), the guess's request goes, unheard, and a fresh one takes its place."""
+        guessed = self._guessed
+        if texts and texts[0] == guessed:
+            self._guessed = None
+            # The listener hears the guess from now on: its clock and first audio start here.
+            t = now()
+            self.request.playback.restart(t)
+            if self.request.metrics.first_audio_at is not None:
+                self.request.metrics.first_audio_at = t
+            return texts[1:]
+        if not texts and self._splitter.likely_clause == guessed:
+            return texts  # not decided yet
+        self._guessed = None
+        self._held.clear()
+        try:
+            self.request = self._host.reseat(self)
+        except Exception as e:
+            self._fail(e)
+            raise
+        self._clauses = 0
+        self._drafted = None
+        return texts
+
     def _check_length(self, chars: int) -> None:
         limit = self._host.config.max_text_chars
         if self._chars + chars > limit:
@@ -294,6 +353,7 @@ class Stream:
         while not self._events.empty():
             self._events.get_nowait()
         self._ready.clear()
+        self._held.clear()
         self._events.put_nowait(None)
 
     @property
@@ -389,12 +449,25 @@ class Stream:
     def _fail(self, error: Exception) -> None:
         self._disarm_timer()
         self._host.cancel(self.request)
-        self._deliver(error)
+        self._deliver(self.request, error)
 
     def _submit(self, texts: list[str], end: bool = False) -> None:
-        """Plan and queue the clauses the splitter gave out. Their text has left the splitter,
-        so a clause that cannot be planned (TextTooLongError) ends this stream with the error,
-        then raises it to the caller, rather than let the stream go on without its words."""
+        """Plan and queue the clauses the splitter gave out (the guessed first clause settled
+        first)."""
+        if self._guessed is not None:
+            texts = self._settle(texts)
+        self._queue(texts, end)
+        if self._guessed is None and self._held:
+            # After the clauses that follow it are queued: a held clause end may make the
+            # deadline rule cut the text after them (`_check_dry`).
+            held, self._held = self._held, []
+            for event in held:
+                self._deliver(self.request, event)
+
+    def _queue(self, texts: list[str], end: bool = False) -> None:
+        """Plan and queue clauses. Their text has left the splitter, so a clause that cannot be
+        planned (TextTooLongError) ends this stream with the error, then raises it to the
+        caller, rather than let the stream go on without its words."""
         clauses = []
         try:
             for text in texts:
@@ -405,15 +478,20 @@ class Stream:
             raise
         self._host.submit(self.request, clauses, end)
 
-    def post(self, event: object) -> None:
-        """Hand an event over from an engine thread: audio, a clause end, None (the end) or
-        an exception (the end, failed)."""
+    def post(self, request: Request, event: object) -> None:
+        """Hand an event of `request` over from an engine thread: audio, a clause end, None
+        (the end) or an exception (the end, failed)."""
         try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
+            self._loop.call_soon_threadsafe(self._deliver, request, event)
         except RuntimeError:  # the consumer's loop is gone: nobody will read this stream
-            self._host.cancel(self.request)
+            self._host.cancel(request)
 
-    def _deliver(self, event: object) -> None:
+    def _deliver(self, request: Request, event: object) -> None:
+        if request is not self.request:
+            return  # a guess the text parted from (`_settle`): nobody hears it
+        if self._guessed is not None and isinstance(event, AudioChunk | ClauseDone):
+            self._held.append(event)
+            return
         if not self._closed:
             if event is None or isinstance(event, Exception):
                 self._closed = True

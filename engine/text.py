@@ -14,6 +14,7 @@ punctuation, ...) is applied to every chunk or clause just before it is tokenize
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -460,6 +461,20 @@ class ClauseSplitter:
             return None
         assert self._word_end is not None
         return self._buf[: self._word_end]
+
+    @property
+    def likely_clause(self) -> str | None:
+        """The first clause that whitespace arriving next would complete ("Okay." waiting to
+        learn that it is not "Okay.com"): an LLM's next token most often starts with it. None
+        for the clauses after the first, or if a space would complete no clause here."""
+        if not self._first or not self._buf or self._buf[-1].isspace():
+            return None
+        probe = copy.copy(self)
+        probe._counts = dict(self._counts)
+        probe._first_text_at = None  # the text's own boundaries, not the wait's
+        probe._buf += " "
+        out = probe._scan(final=False)
+        return out[0] if len(out) == 1 and not has_word(probe._buf) else None
 
     def push(self, text: str) -> list[str]:
         """Append text; return the clauses it completes."""

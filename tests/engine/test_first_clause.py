@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions, Stream
-from intone.engine.errors import InvalidOptionError
+from intone.engine.errors import EngineClosedError, InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
+from intone.engine.request import Request
 from intone.engine.text import ClauseSplitter, plan_clause, split_clauses
 
 from support.checkpoints import checkpoint
@@ -603,3 +604,153 @@ async def test_a_clause_short_of_pages_takes_them_from_other_streams_drafts(make
     async with asyncio.timeout(30):
         assert [e async for e in drafted if isinstance(e, AudioChunk)]
     await wait_idle(engine, voice_pages(engine))
+
+
+# ---- a first clause guessed at its period, heard once the next token confirms it
+
+
+def test_the_splitter_says_which_first_clause_a_space_would_end(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock)
+    sp.push("Okay")
+    assert sp.likely_clause is None  # a word may go on
+    sp.push(".")
+    assert sp.likely_clause == "Okay."
+    assert sp.push(" Let") == ["Okay."]
+    assert sp.likely_clause is None  # only the first clause is guessed
+    for text in ("Dr.", "No.", "Wait"):  # an abbreviation, before a number, a word
+        sp = splitter(tiny_model, Clock())
+        sp.push(text)
+        assert sp.likely_clause is None, text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Okay. Let me pull up your account.",
+        "Got it. Your appointment is at 10:15 am.",
+        "Visit google.com today, or call.",
+        'She said "Fine." and left.',
+        "Here's the thing: it is late.",
+    ],
+)
+def test_a_guessed_first_clause_is_the_one_a_space_ends(tiny_model: LoadedModel, text: str):
+    """Whatever follows, the guess is the first clause the splitter gives out whenever the
+    next character is whitespace, and only then."""
+    tokens = llm_tokens(text)
+    for n in range(1, len(tokens)):
+        sp = splitter(tiny_model, Clock(), first_clause_max_wait_ms=None)
+        out = [clause for token in tokens[:n] for clause in sp.push(token)]
+        guess = sp.likely_clause
+        if out or guess is None:
+            continue
+        rest = "".join(tokens[n:])
+        assert (sp.push(rest)[:1] == [guess]) == rest[:1].isspace(), (tokens[:n], rest)
+
+
+# No timer cut while a test looks at a guess.
+WAIT = options(first_clause_max_wait_ms=10_000)
+
+
+async def spoken(stream: Stream) -> np.ndarray:
+    async with asyncio.timeout(30):
+        return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+
+
+async def heard_after_guess(engine: Engine, before: str, after: str) -> tuple[Stream, Request]:
+    """A stream given `before` as LLM tokens, its guessed first clause's audio made (and not
+    heard) before `after` comes; and the request that guessed."""
+    stream = engine.stream(None, WAIT)
+    guessed = stream.request
+    for token in llm_tokens(before):
+        stream.push_text(token)
+    async with asyncio.timeout(30):
+        while guessed.frames_delivered == 0:
+            await asyncio.sleep(0.002)
+    with pytest.raises(TimeoutError):  # made, and held back
+        async with asyncio.timeout(0.2):
+            await anext(stream)
+    stream.push_text(after)
+    stream.end_input()
+    return stream, guessed
+
+
+async def test_a_first_clause_guessed_at_its_period_says_what_it_would_have_said(make_engine):
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = voice_pages(engine)
+    text = "Okay. Let me pull up your account."
+    stream, guessed = await heard_after_guess(engine, "Okay.", text.removeprefix("Okay."))
+    audio = await spoken(stream)
+    at_once = engine.stream(None, WAIT)
+    at_once.push_text(text)
+    at_once.end_input()
+    np.testing.assert_allclose(audio, await spoken(at_once), rtol=0, atol=1e-6)
+    assert stream.request is guessed  # confirmed: the guess was the clause
+    await wait_idle(engine, pages)
+
+
+async def test_a_guess_the_text_parts_from_is_never_heard(make_engine):
+    """ "google." was "google.com": the guessed clause's audio goes unheard and the stream
+    speaks the text as if no guess was made, in an engine with no other stream to spare."""
+    engine = make_engine(second_voice=False, lead_s=None, max_streams=1)
+    pages = voice_pages(engine)
+    text = "Visit google.com today, or call."
+    stream, guessed = await heard_after_guess(
+        engine, "Visit google.", text.removeprefix("Visit google.")
+    )
+    audio = await spoken(stream)
+    assert stream.request is not guessed and guessed.cancelled
+    at_once = engine.stream(None, WAIT)
+    at_once.push_text(text)
+    at_once.end_input()
+    np.testing.assert_allclose(audio, await spoken(at_once), rtol=0, atol=1e-6)
+    assert engine.metrics()["streams_open"] == 0
+    await wait_idle(engine, pages)
+
+
+async def test_a_stream_cancelled_on_a_guess_leaves_nothing(engine: Engine):
+    pages = voice_pages(engine)
+    stream = engine.stream(None, WAIT)
+    stream.push_text("Okay")
+    stream.push_text(".")
+    assert stream.request.metrics.clauses == 1  # queued before its end is certain
+    stream.cancel()
+    async with asyncio.timeout(30):
+        assert [event async for event in stream] == []
+    await wait_idle(engine, pages)
+
+
+async def test_a_guess_that_cannot_be_replaced_ends_its_stream(make_engine):
+    engine = make_engine(second_voice=False)
+    stream = engine.stream(None, WAIT)
+    stream.push_text("Visit google")
+    stream.push_text(".")
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        stream.push_text("com")
+    with pytest.raises(EngineClosedError):
+        async with asyncio.timeout(30):
+            async for _ in stream:
+                pass
+
+
+async def test_a_confirmed_guess_keeps_the_clauses_in_order(make_engine):
+    """The guess's clause end, let out when the text confirms it, may set off the deadline rule
+    (here always: a margin longer than any clause); the clauses the same text completed are
+    queued first, so the words are spoken in order."""
+    engine = make_engine(second_voice=False, lead_s=None, cut_before_dry_s=30.0)
+    stream = engine.stream(None, WAIT)
+    guessed = stream.request
+    stream.push_text("Yes")
+    stream.push_text(".")
+    async with asyncio.timeout(30):
+        while guessed.frames_delivered < WAIT.max_frames:  # the guess's clause is all made
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.1)  # and its end handed over
+    stream.push_text(" Sure thing, we can do that. And then")
+    stream.push_text(" some more words.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        said = [e.text async for e in stream if isinstance(e, ClauseDone)]
+    assert said[:2] == ["Yes.", "Sure thing, we can do that."]
+    assert_words_kept("Yes. Sure thing, we can do that. And then some more words.", said)
