@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import threading
 from collections import deque
@@ -40,6 +41,8 @@ from intone.engine.text import ClauseSplitter, check_text, plan_clause
 from intone.engine.word_timing import Timeline
 
 __all__ = ["AudioChunk", "ClauseDone", "Stream", "StreamHost", "WordTiming"]
+
+logger = logging.getLogger(__name__)
 
 
 class StreamHost:
@@ -317,11 +320,18 @@ class Stream:
             return texts  # not decided yet
         self._guessed = None
         self._held.clear()
+        replaced = self.request.id
         try:
             self.request = self._host.reseat(self)
         except Exception as e:
             self._fail(e)
             raise
+        logger.debug(
+            "the text parted from the first clause %r guessed by %s: %s speaks it instead",
+            guessed,
+            replaced,
+            self.request.id,
+        )
         self._clauses = 0
         self._drafted = None
         return texts
