@@ -326,7 +326,8 @@ class Engine:
     def admit(self, request: Request, replacing: Request | None = None) -> None:
         """Open `request` (a stream's, `StreamHost`), with its voice made resident; or in place
         of `replacing`, which then ends with no event (`StreamHost.reseat`). Raises what
-        `stream` says, except EngineFullError for a request that takes another's place."""
+        `stream` says; a request that takes another's place is not held to the stream and
+        queue limits (it frees its place as it takes it)."""
         self.voice_registry.with_resident(
             request.voice, self._check_serving, partial(self._open_request, request, replacing)
         )
