@@ -478,6 +478,16 @@ async def test_the_deadline_rule_cuts_before_the_audio_runs_out(engine: Engine):
 
 # ---- drafts: the first clause's prompt pass begins before the clause is cut
 
+# No timer cut while a test looks at a first clause's head start (a draft, a guess); and with
+# ONE_CLAUSE, no cut at a mark either: the whole text is one clause.
+WAIT = options(first_clause_max_wait_ms=10_000)
+ONE_CLAUSE = options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
+
+
+async def spoken(stream: Stream) -> np.ndarray:
+    async with asyncio.timeout(30):
+        return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+
 
 def test_the_splitter_drafts_the_first_clause_from_its_complete_words(tiny_model: LoadedModel):
     clock = Clock()
@@ -505,9 +515,7 @@ async def written(stream: Stream) -> None:
 async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarray, int]:
     """`words` pushed a word at a time, each drafted before the next comes, then `rest`, which
     ends the first clause: the audio and how many of its tokens the draft had prefilled."""
-    stream = engine.stream(
-        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
-    )
+    stream = engine.stream(None, ONE_CLAUSE)
     for token in llm_tokens(words):
         stream.push_text(token)
         async with asyncio.timeout(30):
@@ -515,19 +523,16 @@ async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarra
                 await asyncio.sleep(0.002)
     stream.push_text(rest)
     stream.end_input()
-    async with asyncio.timeout(30):
-        audio = [e.samples async for e in stream if isinstance(e, AudioChunk)]
-    return np.concatenate(audio), stream.metrics.draft_tokens
+    return await spoken(stream), stream.metrics.draft_tokens
 
 
-async def said_at_once(engine: Engine, text: str) -> np.ndarray:
-    stream = engine.stream(
-        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
-    )
+async def said_at_once(
+    engine: Engine, text: str, options: GenerationOptions = ONE_CLAUSE
+) -> np.ndarray:
+    stream = engine.stream(None, options)
     stream.push_text(text)
     stream.end_input()
-    async with asyncio.timeout(30):
-        return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+    return await spoken(stream)
 
 
 async def test_a_drafted_first_clause_says_what_it_would_have_said(make_engine):
@@ -548,15 +553,12 @@ async def test_a_drafted_first_clause_says_what_it_would_have_said(make_engine):
 async def test_a_draft_the_clause_parts_from_keeps_only_what_they_share(make_engine):
     engine = make_engine(second_voice=False, lead_s=None)
     pages = engine.blocks.pages_in_use
-    stream = engine.stream(
-        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
-    )
+    stream = engine.stream(None, ONE_CLAUSE)
     engine.stream_host.draft(stream.request, "Your total goes up")
     await written(stream)
     stream.push_text(" Your total comes to twelve.")
     stream.end_input()
-    async with asyncio.timeout(30):
-        audio = np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
+    audio = await spoken(stream)
     at_once = await said_at_once(engine, " Your total comes to twelve.")
     np.testing.assert_allclose(audio, at_once, rtol=0, atol=1e-6)
     assert stream.metrics.draft_tokens > 0
@@ -567,9 +569,7 @@ async def test_a_stream_cancelled_while_its_first_clause_is_drafted_leaves_no_pa
     engine: Engine,
 ):
     pages = engine.blocks.pages_in_use
-    stream = engine.stream(
-        None, options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
-    )
+    stream = engine.stream(None, ONE_CLAUSE)
     stream.push_text(" I checked your account and")
     await written(stream)
     assert engine.blocks.pages_in_use > pages  # the draft holds pages of its own
@@ -582,19 +582,18 @@ async def test_a_stream_cancelled_while_its_first_clause_is_drafted_leaves_no_pa
 async def test_a_clause_short_of_pages_takes_them_from_other_streams_drafts(make_engine):
     """A pool with pages for one clause: a draft of another stream holds some, and the clause
     still starts (a draft is only a head start); the drafted stream then speaks too."""
-    wait = options(first_clause_min_words=50, first_clause_max_wait_ms=10_000)
     sizing = make_engine(second_voice=False)
     voice = sizing.default_voice
     text = " Your table for four is ready by the window, and the menu is on its way."
-    tokens = plan_clause(sizing.loaded, text, wait).tokens
-    clause = sizing.scheduler.clause_pages(voice, len(tokens), wait.max_frames)
+    tokens = plan_clause(sizing.loaded, text, ONE_CLAUSE).tokens
+    clause = sizing.scheduler.clause_pages(voice, len(tokens), ONE_CLAUSE.max_frames)
     pages = sizing.blocks.pages_for(sizing.scheduler.voices[voice].length) + clause
     engine = make_engine(second_voice=False, num_pages=pages)
-    drafted = engine.stream(None, wait)
+    drafted = engine.stream(None, ONE_CLAUSE)
     drafted.push_text(" I checked your account and")
     await written(drafted)
     assert engine.blocks.pages_available < clause  # the draft holds pages the clause needs
-    other = engine.stream(None, wait)
+    other = engine.stream(None, ONE_CLAUSE)
     other.push_text(text)
     other.end_input()
     async with asyncio.timeout(30):
@@ -648,15 +647,6 @@ def test_a_guessed_first_clause_is_the_one_a_space_ends(tiny_model: LoadedModel,
         assert (sp.push(rest)[:1] == [guess]) == rest[:1].isspace(), (tokens[:n], rest)
 
 
-# No timer cut while a test looks at a guess.
-WAIT = options(first_clause_max_wait_ms=10_000)
-
-
-async def spoken(stream: Stream) -> np.ndarray:
-    async with asyncio.timeout(30):
-        return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
-
-
 async def heard_after_guess(engine: Engine, before: str, after: str) -> tuple[Stream, Request]:
     """A stream given `before` as LLM tokens, its guessed first clause's audio made (and not
     heard) before `after` comes; and the request that guessed."""
@@ -681,10 +671,7 @@ async def test_a_first_clause_guessed_at_its_period_says_what_it_would_have_said
     text = "Okay. Let me pull up your account."
     stream, guessed = await heard_after_guess(engine, "Okay.", text.removeprefix("Okay."))
     audio = await spoken(stream)
-    at_once = engine.stream(None, WAIT)
-    at_once.push_text(text)
-    at_once.end_input()
-    np.testing.assert_allclose(audio, await spoken(at_once), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(audio, await said_at_once(engine, text, WAIT), rtol=0, atol=1e-6)
     assert stream.request is guessed  # confirmed: the guess was the clause
     await wait_idle(engine, pages)
 
@@ -700,10 +687,7 @@ async def test_a_guess_the_text_parts_from_is_never_heard(make_engine):
     )
     audio = await spoken(stream)
     assert stream.request is not guessed and guessed.cancelled
-    at_once = engine.stream(None, WAIT)
-    at_once.push_text(text)
-    at_once.end_input()
-    np.testing.assert_allclose(audio, await spoken(at_once), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(audio, await said_at_once(engine, text, WAIT), rtol=0, atol=1e-6)
     assert engine.metrics()["streams_open"] == 0
     await wait_idle(engine, pages)
 
