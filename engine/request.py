@@ -39,9 +39,9 @@ class Clause:
 
 @dataclass
 class Draft:
-    """A stream's first clause while its text still comes: the prompt tokens of its complete
-    words so far, prefilled while the caller waits for the clause to end, so that its prompt
-    pass has only the rest to do."""
+    """A stream's first clause while its text still comes: the prompt tokens of its text so
+    far, prefilled while the caller waits for the clause to end, so that its prompt pass has
+    only the rest to do."""
 
     tokens: list[int]  # wanted (the caller's side, under the engine lock)
     table: PageTable | None = None  # the voice's pages, then the tokens written (AR thread)

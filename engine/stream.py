@@ -158,7 +158,7 @@ class StreamHost:
         return plan
 
     def draft(self, request: Request, text: str) -> None:
-        """The words of `request`'s first clause so far, before it is cut (`Stream._draft`):
+        """The text of `request`'s first clause so far, before it is cut (`Stream._draft`):
         their prompt pass may begin now (`Draft`). Only a head start: text that cannot be
         planned has none (its clause says why when it is cut)."""
         try:
@@ -282,7 +282,7 @@ class Stream:
             self.push_text(text[start : start + PUSH_PIECE_CHARS])
 
     def _draft(self) -> None:
-        """Give the engine the first clause's words so far, before the clause is cut: its
+        """Give the engine the first clause's text so far, before the clause is cut: its
         prompt pass begins while the caller waits for the clause's end (`Draft`)."""
         text = self._splitter.draft
         if self._clauses or text is None or text == self._drafted:

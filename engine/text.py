@@ -455,12 +455,14 @@ class ClauseSplitter:
 
     @property
     def draft(self) -> str | None:
-        """The first clause's complete words so far, while it waits for its end: the text it
-        will most likely start with (None once it is cut, and for the clauses after it)."""
-        if not self._first or not self.holds_words:
+        """The first clause's text so far, while it waits for its end, the word still coming
+        included: the text it will most likely start with (None once it is cut, and for the
+        clauses after it). An LLM's token most often ends its word ("Hi", " there", then "!"),
+        so the clause that "!" ends has only "!" left to prefill; a word that goes on ("twel",
+        "ve") costs the draft only its tokens that no longer start the clause."""
+        if not self._first or not has_word(self._buf):
             return None
-        assert self._word_end is not None
-        return self._buf[: self._word_end]
+        return self._buf.rstrip()
 
     @property
     def likely_clause(self) -> str | None:

@@ -16,6 +16,7 @@ from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, Generati
 from intone.engine.errors import EngineClosedError, InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.request import Request
+from intone.engine.scheduler import common_prefix
 from intone.engine.text import ClauseSplitter, plan_clause, split_clauses
 
 from support.checkpoints import checkpoint
@@ -489,20 +490,26 @@ async def spoken(stream: Stream) -> np.ndarray:
         return np.concatenate([e.samples async for e in stream if isinstance(e, AudioChunk)])
 
 
-def test_the_splitter_drafts_the_first_clause_from_its_complete_words(tiny_model: LoadedModel):
+def test_the_splitter_drafts_the_first_clause_with_the_word_still_coming(
+    tiny_model: LoadedModel,
+):
     clock = Clock()
     sp = splitter(tiny_model, clock, first_clause_min_words=50)
     assert sp.draft is None
-    sp.push(" I checked your acc")
-    assert sp.draft == " I checked your"  # not the word still coming
+    sp.push(" ")
+    assert sp.draft is None  # nothing to say yet
+    sp.push("I checked your acc")
+    assert sp.draft == " I checked your acc"  # the word still coming too
+    sp.push(" ")
+    assert sp.draft == " I checked your acc"
     clock.now += 0.1
-    assert sp.poll() == ["I checked your"]
+    assert sp.poll() == ["I checked your acc"]
     assert sp.draft is None  # cut: only a first clause has a draft
     sp.push("ount and it is")
     assert sp.draft is None
     sp.flush()
-    sp.push(" Then more")
-    assert sp.draft == " Then"  # after a flush the next clause is a first clause again
+    sp.push(" Then mo")
+    assert sp.draft == " Then mo"  # after a flush the next clause is a first clause again
 
 
 async def written(stream: Stream) -> None:
@@ -548,6 +555,27 @@ async def test_a_drafted_first_clause_says_what_it_would_have_said(make_engine):
     tokens = plan_clause(engine.loaded, (words + rest).strip(), options()).tokens
     assert 0 < reused < len(tokens)
     assert engine.blocks.pages_in_use == pages  # the draft's pages went back with the stream
+
+
+async def test_a_drafted_word_that_goes_on_keeps_what_it_shares(make_engine):
+    """The draft takes the word still coming ("twel"); the clause the next token finishes it
+    in ("ve.") keeps the drafted tokens that start it and says what it would have said."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    stream = engine.stream(None, ONE_CLAUSE)
+    stream.push_text(" Your total comes to twel")
+    await written(stream)
+    drafted = plan_clause(engine.loaded, "Your total comes to twel", ONE_CLAUSE).tokens[:-1]
+    assert stream.request.draft is not None
+    assert stream.request.draft.written == drafted  # the word still coming is prefilled
+    stream.push_text("ve.")
+    stream.end_input()
+    audio = await spoken(stream)
+    at_once = await said_at_once(engine, " Your total comes to twelve.")
+    np.testing.assert_allclose(audio, at_once, rtol=0, atol=1e-6)
+    clause = plan_clause(engine.loaded, "Your total comes to twelve.", ONE_CLAUSE).tokens
+    assert stream.metrics.draft_tokens == common_prefix(drafted, clause) > 0
+    assert engine.blocks.pages_in_use == pages
 
 
 async def test_a_draft_the_clause_parts_from_keeps_only_what_they_share(make_engine):
