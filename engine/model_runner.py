@@ -111,6 +111,8 @@ class ModelRunner:
         self.flow_lm = model.flow_lm
         self.blocks = blocks
         self.flow_steps = flow_steps
+        # The flow head's time conditioning per integration step: the same for every row.
+        self.flow_schedule = self.flow_lm.flow_net.schedule(flow_steps, device)
         self.device = device
         self.batch_buckets = sorted(batch_buckets) if batch_buckets else None
         # One page past the pool's end is scratch space for the padding rows of a bucket.
@@ -432,7 +434,7 @@ class ModelRunner:
     def _sample(
         self, z: torch.Tensor, noise: torch.Tensor, eos_thresholds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        latents = self.flow_lm.sample_latent(z, noise, self.flow_steps)
+        latents = self.flow_lm.sample_latent(z, noise, self.flow_steps, self.flow_schedule)
         return latents, self.flow_lm.eos_logit(z) > eos_thresholds
 
     def _thresholds(self, requests: list[Request]) -> torch.Tensor:

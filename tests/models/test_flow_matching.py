@@ -76,3 +76,37 @@ def test_euler_head_equals_reference(flow_matching_checkpoint: Path):
     one_step = GenerationOptions(temperature=0.0, eos_threshold=1e9, chain_frames=0, flow_steps=1)
     first = next(generate_latents(loaded, voice, [TEXT], one_step))[1]
     assert float((first - ours[0]).norm()) > 1e-4
+
+
+def per_row_sample(head, z: torch.Tensor, noise: torch.Tensor, steps: int) -> torch.Tensor:
+    """The reference's integration: each step's times as a [rows, 1] column through `forward`."""
+    ones = torch.ones_like(noise[..., :1])
+    current = noise
+    for i in range(steps):
+        times = (i / steps * ones, (i + 1) / steps * ones)[: head.num_time_conds]
+        current = current + head(z, *times, current) / steps
+    return current
+
+
+@pytest.mark.parametrize("head_type", ["lsd", "flow_matching"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_schedule_made_once_samples_as_the_times_per_row(
+    head_type: str, steps: int, tiny_checkpoint: Path, flow_matching_checkpoint: Path
+):
+    """`FlowHead.schedule`, made once (as the engine's runner does) or per call, gives each row
+    the latent the reference's per-row times give; the steps' times are in their order."""
+    checkpoint = tiny_checkpoint if head_type == "lsd" else flow_matching_checkpoint
+    head = load_model(checkpoint).model.flow_lm.flow_net
+    assert head.flow_type == head_type
+    generator = torch.Generator().manual_seed(steps)
+    z = torch.randn(5, head.cond_embed.in_features, generator=generator)
+    noise = torch.randn(5, head.input_proj.in_features, generator=generator)
+    with torch.no_grad():
+        expected = per_row_sample(head, z, noise, steps)
+        schedule = head.schedule(steps)
+        assert len(schedule) == steps
+        torch.testing.assert_close(head.sample(z, noise, steps, schedule), expected)
+        torch.testing.assert_close(head.sample(z, noise, steps), expected)
+        if steps > 1:  # a schedule in another order is another integration
+            swapped = head.sample(z, noise, steps, schedule[::-1])
+            assert not torch.allclose(swapped, expected, atol=1e-4)

@@ -119,31 +119,63 @@ class FlowHead(nn.Module):
 
     def forward(self, z: torch.Tensor, *times_and_x: torch.Tensor) -> torch.Tensor:
         *times, x = times_and_x
+        return self.velocity(z, self.time_conditioning(*times) if times else None, x)
+
+    def time_conditioning(self, *times: torch.Tensor) -> torch.Tensor:
+        """The mean of the time embeddings: [rows, C] for times [rows, 1]."""
+        return sum(emb(t) for emb, t in zip(self.time_embed, times, strict=True)) / len(times)
+
+    def velocity(
+        self, z: torch.Tensor, times: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """The head's output for conditioning z, the time conditioning (None for a head without
+        times) and its input x."""
         x = self.input_proj(x)
         y = self.cond_embed(z)
-        if times:
-            y = y + sum(emb(t) for emb, t in zip(self.time_embed, times, strict=True)) / len(times)
+        if times is not None:
+            y = y + times
         for block in self.res_blocks:
             x = block(x, y)
         return self.final_layer(x, y)
 
-    def sample(self, z: torch.Tensor, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
+    def schedule(self, num_steps: int, device: torch.device | None = None) -> list[torch.Tensor]:
+        """Each integration step's time conditioning [1, C] (empty for the one-step heads): it
+        depends on the step alone, so a caller that samples many latents computes it once
+        instead of per row and call (3-9% of the head's time, 1-16 rows, full size)."""
+        if self.flow_type in ("drifting", "pointwise"):
+            return []
+
+        def at(time: float) -> torch.Tensor:
+            return torch.full((1, 1), time, device=device)
+
+        if self.flow_type == "lsd":
+            steps = [(at(i / num_steps), at((i + 1) / num_steps)) for i in range(num_steps)]
+        else:
+            steps = [(at(i / num_steps),) for i in range(num_steps)]
+        with torch.no_grad():
+            return [self.time_conditioning(*times) for times in steps]
+
+    def sample(
+        self,
+        z: torch.Tensor,
+        noise: torch.Tensor,
+        num_steps: int,
+        schedule: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """A latent from noise [B, latent], conditioned on z [B, cond].
 
         `num_steps` integration steps for "lsd" and "flow_matching"; the one-step heads ignore it.
+        `schedule`: `self.schedule(num_steps)`, made once by the caller (else here).
         """
         if self.flow_type == "drifting":
             return self(z, noise)
         if self.flow_type == "pointwise":
             return noise + self(z, noise)
+        if schedule is None:
+            schedule = self.schedule(num_steps, noise.device)
         current = noise
-        ones = torch.ones_like(noise[..., :1])
-        for i in range(num_steps):
-            if self.flow_type == "lsd":
-                s, t = i / num_steps, (i + 1) / num_steps
-                current = current + self(z, s * ones, t * ones, current) / num_steps
-            else:
-                current = current + self(z, (i / num_steps) * ones, current) / num_steps
+        for times in schedule:
+            current = current + self.velocity(z, times, current) / num_steps
         return current
 
 

@@ -127,8 +127,15 @@ class FlowLM(nn.Module):
     def eos_logit(self, z: torch.Tensor) -> torch.Tensor:
         return self.out_eos(z.to(torch.float32))[..., 0]
 
-    def sample_latent(self, z: torch.Tensor, noise: torch.Tensor, num_steps: int) -> torch.Tensor:
-        return self.flow_net.sample(z.to(torch.float32), noise, num_steps)
+    def sample_latent(
+        self,
+        z: torch.Tensor,
+        noise: torch.Tensor,
+        num_steps: int,
+        schedule: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`FlowHead.sample`; `schedule`: its `schedule(num_steps)`, made once by the caller."""
+        return self.flow_net.sample(z.to(torch.float32), noise, num_steps, schedule)
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
         return latents * self.emb_std + self.emb_mean
