@@ -143,18 +143,17 @@ class FlowHead(nn.Module):
         depends on the step alone, so a caller that samples many latents computes it once
         instead of per row and call (12-16% of the head's time at 1-16 rows, full size, one
         thread)."""
-        if self.flow_type in ("drifting", "pointwise"):
+        if not self.num_time_conds:
             return []
-
-        def at(time: float) -> torch.Tensor:
-            return torch.full((1, 1), time, device=device)
-
-        if self.flow_type == "lsd":
-            steps = [(at(i / num_steps), at((i + 1) / num_steps)) for i in range(num_steps)]
-        else:
-            steps = [(at(i / num_steps),) for i in range(num_steps)]
+        # A step's times: its start, and for LSD its end too.
+        steps = [(i / num_steps, (i + 1) / num_steps) for i in range(num_steps)]
         with torch.no_grad():
-            return [self.time_conditioning(*times) for times in steps]
+            return [
+                self.time_conditioning(
+                    *(torch.full((1, 1), t, device=device) for t in times[: self.num_time_conds])
+                )
+                for times in steps
+            ]
 
     def sample(
         self,
