@@ -357,7 +357,7 @@ class DecoderWorker:
                     items.clear()
                     self._release(request)
                     del self._requests[request_id]
-                    if item.error is None:
+                    if item.error is None and not request.replaced:
                         self.metrics.finished(request.metrics, cancelled=item.cancelled)
                     self.on_finished(request, item)
             if not items:

@@ -356,7 +356,7 @@ class Engine:
         if replacing is not None:
             # Out of `_open` first, so that its end (below, on the AR thread) says nothing.
             self._open.pop(replacing.id, None)
-            replacing.cancelled = True
+            replacing.cancelled = replacing.replaced = True
             self._lock.notify_all()
         self.scheduler.add(request)
         self._open[request.id] = request

@@ -105,6 +105,9 @@ class Request:
     pending: deque[Clause] = field(default_factory=deque)
     input_ended: bool = False
     cancelled: bool = False
+    # Cancelled because a fresh request took its place in its stream (`Engine.admit`): the
+    # stream goes on, so this one counts as no request outcome of its own.
+    replaced: bool = False
     last_text_at: float = field(default_factory=lambda: now())  # for the idle timeout
     tenant: str | None = None
     # Seconds of audio the stream's consumer has read (only the caller's loop writes it, so the
@@ -124,7 +127,7 @@ class Request:
     progress: ClauseProgress | None = None
     latents: list[torch.Tensor] = field(default_factory=list)
     tail: torch.Tensor | None = None
-    draft: Draft | None = None  # the first clause's words so far, before it is cut
+    draft: Draft | None = None  # the first clause's text so far, before it is cut
     frames_generated: int = 0  # latents kept, over every clause: the audio generated so far
     in_decoder: bool = False  # has put items on the decoder queue (it must see the end too)
     # Decoder state.

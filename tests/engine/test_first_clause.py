@@ -718,6 +718,9 @@ async def test_a_guess_the_text_parts_from_is_never_heard(make_engine):
     np.testing.assert_allclose(audio, await said_at_once(engine, text, WAIT), rtol=0, atol=1e-6)
     assert engine.metrics()["streams_open"] == 0
     await wait_idle(engine, pages)
+    # Two streams spoken, nothing cancelled: the replaced request is no outcome of its own.
+    assert engine.metrics()["requests_completed"] == 2
+    assert engine.metrics()["requests_cancelled"] == 0
 
 
 async def test_a_stream_cancelled_on_a_guess_leaves_nothing(engine: Engine):
