@@ -578,6 +578,28 @@ async def test_a_drafted_word_that_goes_on_keeps_what_it_shares(make_engine):
     assert engine.blocks.pages_in_use == pages
 
 
+async def test_a_first_clause_drafted_a_character_at_a_time_says_what_it_would_have_said(
+    make_engine,
+):
+    """Every character a token: the drafts take partial words, numbers, times, prices, an e-mail
+    and a URL ("$42.", "jane.doe@ex", "https://ex"), each planned or skipped, never a failed
+    push; the clause says what it says at once."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    text = " Table for 4 at 7:30 pm, $42.50 paid; mail jane.doe@example.com or see https://ex.io/a?b=1."
+    stream = engine.stream(None, ONE_CLAUSE)
+    for character in text:
+        stream.push_text(character)
+        async with asyncio.timeout(30):
+            while (draft := stream.request.draft) is not None and draft.written != draft.tokens:
+                await asyncio.sleep(0.002)
+    stream.end_input()
+    audio = await spoken(stream)
+    np.testing.assert_allclose(audio, await said_at_once(engine, text), rtol=0, atol=1e-6)
+    assert stream.metrics.draft_tokens > 0
+    assert engine.blocks.pages_in_use == pages
+
+
 async def test_a_draft_the_clause_parts_from_keeps_only_what_they_share(make_engine):
     engine = make_engine(second_voice=False, lead_s=None)
     pages = engine.blocks.pages_in_use
