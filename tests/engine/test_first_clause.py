@@ -518,15 +518,20 @@ async def written(stream: Stream) -> None:
             await asyncio.sleep(0.002)
 
 
+async def drafts_written(stream: Stream) -> None:
+    """Until the stream's draft, if it has one now, is in its pages."""
+    async with asyncio.timeout(30):
+        while (draft := stream.request.draft) is not None and draft.written != draft.tokens:
+            await asyncio.sleep(0.002)
+
+
 async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarray, int]:
     """`words` pushed a word at a time, each drafted before the next comes, then `rest`, which
     ends the first clause: the audio and how many of its tokens the draft had prefilled."""
     stream = engine.stream(None, ONE_CLAUSE)
     for token in llm_tokens(words):
         stream.push_text(token)
-        async with asyncio.timeout(30):
-            while (draft := stream.request.draft) is not None and draft.written != draft.tokens:
-                await asyncio.sleep(0.002)
+        await drafts_written(stream)
     stream.push_text(rest)
     stream.end_input()
     return await spoken(stream), stream.metrics.draft_tokens
@@ -592,9 +597,7 @@ async def test_a_first_clause_drafted_a_character_at_a_time_says_what_it_would_h
     stream = engine.stream(None, ONE_CLAUSE)
     for character in text:
         stream.push_text(character)
-        async with asyncio.timeout(30):
-            while (draft := stream.request.draft) is not None and draft.written != draft.tokens:
-                await asyncio.sleep(0.002)
+        await drafts_written(stream)
     stream.end_input()
     audio = await spoken(stream)
     np.testing.assert_allclose(audio, await said_at_once(engine, text), rtol=0, atol=1e-6)
