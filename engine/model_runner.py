@@ -28,6 +28,7 @@ from intone.engine.config import (
     ROW_CONTEXT_FAULT_IN_POSITIONS,
     ROW_CONTEXT_POOL_MULTIPLE,
     ROW_CONTEXT_POSITIONS,
+    TRACED_PROMPT_SEQUENCES,
     EngineConfig,
 )
 from intone.engine.decoder_states import DecoderStatePool
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 class PrefillInputs:
     prompts: torch.Tensor  # [N, D]: each request's prompt, then its first AR step's BOS input
     positions: torch.Tensor
-    attention: SlotAttention | SequenceAttention  # the latter for a pass of one sequence
+    attention: SlotAttention | SequenceAttention  # the latter: `as_one_sequence`
     last: torch.Tensor  # [B]: each sequence's last row, its first AR step
     noise: torch.Tensor  # [B, latent_dim]
     eos_thresholds: torch.Tensor  # [B]
@@ -235,8 +236,8 @@ class ModelRunner:
             )
             prompts += [request.prompt, self.bos_input]
         positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
-        if isinstance(attention, VarlenAttention) and len(steps) == 1:
-            attention = attention.only_sequence()  # the same pass, and one a trace replays
+        if isinstance(attention, VarlenAttention) and len(steps) <= TRACED_PROMPT_SEQUENCES:
+            attention = attention.as_one_sequence()  # the same pass, and one a trace replays
         ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
         return PrefillInputs(
             torch.cat(prompts),
@@ -251,10 +252,10 @@ class ModelRunner:
     def prefill_step(
         self, inputs: PrefillInputs, trace_now: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first latents [B, latent_dim], EOS flags [B] as bool), on the device. A pass of one
-        sequence replays a trace from `trace_after` passes on (`trace_now`: on this one),
-        whatever its prompt and context; a packed pass of several runs eagerly (its split into
-        sequences is Python's)."""
+        """(first latents [B, latent_dim], EOS flags [B] as bool), on the device. A pass of up to
+        `TRACED_PROMPT_SEQUENCES` sequences replays a trace from `trace_after` passes on
+        (`trace_now`: on this one), whatever its prompts and contexts; a bigger packed pass runs
+        eagerly (its split into sequences is Python's)."""
         with self._busy():
             attention = inputs.attention
             if self.ar_traces is None or not isinstance(attention, SequenceAttention):
@@ -526,7 +527,7 @@ class ModelRunner:
         assert isinstance(packed, VarlenAttention)
         prompts = torch.zeros(2, self.bos_input.shape[-1], device=self.device)
         prefill = PrefillInputs(
-            prompts, positions, packed.only_sequence(), first + 1, zeros, zeros[:, 0]
+            prompts, positions, packed.as_one_sequence(), first + 1, zeros, zeros[:, 0]
         )
         for name, call in (
             ("AR step", lambda: self.generate_step(generate, trace_now=True)),

@@ -1,10 +1,12 @@
 """The AR stage's calls replayed as TorchScript traces (`ModelRunner.ar_traces`): the AR step's
 trace, made on one scratch row, replays every step bit for bit, whatever its rows, their
 contexts' lengths and the contexts' reservation (which moves when a context outgrows it); a
-prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context."""
+prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context,
+and a packed pass of a few sequences as one (`VarlenAttention.as_one_sequence`)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -76,23 +78,30 @@ def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tens
 
 
 def prompt_pass(
-    runner: ModelRunner, context: int, prompt: int, seed: int
+    runner: ModelRunner, sequences: list[tuple[int, int]], seed: int, as_one: bool = True
 ) -> tuple[torch.Tensor, ...]:
-    """One prompt pass of one sequence: `prompt` new positions after `context` in the pool."""
+    """One packed prompt pass: per sequence, `prompt` new positions after `context` in the
+    pool, as one sequence (`as_one`) or as `plan_step` plans it."""
     generator = torch.Generator().manual_seed(seed)
-    slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[: context + prompt]
-    positions, attention = plan_step(runner.pool, [SequenceStep(slots, prompt)])
-    sequence = attention.only_sequence()
-    assert isinstance(sequence, SequenceAttention)
+    total = sum(context + prompt for context, prompt in sequences)
+    slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[:total].split(
+        [context + prompt for context, prompt in sequences]
+    )
+    prompts = [prompt for _, prompt in sequences]
+    steps = [SequenceStep(s, prompt) for s, prompt in zip(slots, prompts, strict=True)]
+    positions, attention = plan_step(runner.pool, steps)
+    if as_one:
+        attention = attention.as_one_sequence()
+        assert isinstance(attention, SequenceAttention)
     width = runner.bos_input.shape[-1]
     latent_dim = runner.flow_lm.latent_dim
     inputs = PrefillInputs(
-        torch.randn(prompt, width, generator=generator),
+        torch.randn(sum(prompts), width, generator=generator),
         positions,
-        sequence,
-        torch.tensor([prompt - 1]),
-        torch.randn(1, latent_dim, generator=generator),
-        torch.randn(1, generator=generator),
+        attention,
+        torch.tensor(list(itertools.accumulate(prompts))) - 1,
+        torch.randn(len(sequences), latent_dim, generator=generator),
+        torch.randn(len(sequences), generator=generator),
     )
     return runner.prefill_step(inputs)
 
@@ -122,9 +131,30 @@ def test_one_trace_replays_every_prompt_pass_of_one_sequence_bit_for_bit(
     traces = traced.runner.ar_traces
     assert traces is not None
     for seed, (context, prompt) in enumerate([(0, 2), (0, 9), (37, 3), (150, 31), (5, 120)]):
-        want = prompt_pass(eager.runner, context, prompt, seed)
-        got = prompt_pass(traced.runner, context, prompt, seed)
+        want = prompt_pass(eager.runner, [(context, prompt)], seed)
+        got = prompt_pass(traced.runner, [(context, prompt)], seed)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (context, prompt)
         assert_same_pools(traced.runner, eager.runner)
+    assert len(traces) == 2
+
+
+def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """The prompt pass's trace replays a pass of several sequences, each query masked to its own
+    sequence's keys: it gives what the eager packed pass (each sequence's attention on its own
+    keys) gives, latents, EOS flags and the keys and values written."""
+    eager, traced = engines
+    traces = traced.runner.ar_traces
+    assert traces is not None
+    cases = [[(0, 2), (37, 3)], [(150, 31), (5, 9), (0, 2)], [(12, 4)] * 4]
+    for seed, sequences in enumerate(cases):
+        want = prompt_pass(eager.runner, sequences, seed, as_one=False)
+        got = prompt_pass(traced.runner, sequences, seed)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        got_pool, want_pool = traced.runner.pool, eager.runner.pool
+        torch.testing.assert_close(got_pool.keys, want_pool.keys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_pool.values, want_pool.values, rtol=1e-6, atol=1e-6)
     assert len(traces) == 2

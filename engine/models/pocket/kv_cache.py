@@ -197,17 +197,23 @@ class VarlenAttention:
         ]
         return torch.cat(outputs).reshape(q.shape)
 
-    def only_sequence(self) -> SequenceAttention:
-        """The same pass as a `SequenceAttention`, where it has one sequence."""
-        (slots,), (bias,) = self.read_slots, self.biases
+    def as_one_sequence(self) -> SequenceAttention:
+        """The same pass as one `SequenceAttention`, which a trace replays: every sequence's
+        keys side by side, each query masked to its own sequence's (a block-diagonal bias). Its
+        attention scores N x sum(L_i) pairs where the sequences' own are sum(n_i x L_i)."""
+        visible = torch.block_diag(*(bias == 0 for bias in self.biases))
+        bias = torch.zeros(visible.shape, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        slots = torch.cat(self.read_slots)
         return SequenceAttention(self.pool.keys, self.pool.values, self.write_slots, slots, bias)
 
 
 @dataclass
 class SequenceAttention(TensorFields):
-    """`VarlenAttention` of one sequence, tensors only (implements `KVCache`): no size reaches
-    it but as a tensor's shape, so a pass through it can be replayed as a trace for any prompt
-    and context length, with these as the trace's inputs (`tensors`, `from_tensors`)."""
+    """`VarlenAttention` as one sequence (`as_one_sequence`), tensors only (implements
+    `KVCache`): no size reaches it but as a tensor's shape, so a pass through it can be replayed
+    as a trace for any prompts and context lengths, with these as the trace's inputs (`tensors`,
+    `from_tensors`)."""
 
     keys: torch.Tensor  # the pool's [layers, kv_heads, slots, D]
     values: torch.Tensor
