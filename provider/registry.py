@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from intone.engine import Engine, EngineConfig, GenerationOptions, LoadedModel
+from intone.engine.collector import freeze_long_lived
 from intone.provider.model_names import ModelSpec, model_key
 
 logger = logging.getLogger(__name__)
@@ -135,12 +136,14 @@ async def acquire_async(
 
 
 def prewarm(model: ModelSpec = None, *, config: EngineConfig | None = None) -> Engine:
-    """Load, start and warm the shared engine of `model` and keep it for the process lifetime."""
+    """Load, start and warm the shared engine of `model` and keep it for the process lifetime
+    (what is alive then is never walked by the garbage collector again: `freeze_long_lived`)."""
     lease = acquire(model, config=config, warm=True)
     assert lease._entry is not None
     with _lock:
         lease._entry.pinned = True
     lease.release()
+    freeze_long_lived()
     return lease._engine
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, generate_latest
 
 from intone.engine import Engine, releases
+from intone.engine.collector import freeze_long_lived
 from intone.engine.errors import UnknownModelError
 from intone.provider.model_names import model_name
 from intone.provider.protocol import echo
@@ -293,6 +294,7 @@ class Runtime:
         self.voices = self.models[0].voices
         if len(self.models) > 1:
             logger.info("serving models %s", [m.name for m in self.models])
+        freeze_long_lived()  # the engines serve until the app ends
 
     async def _prepare_model(self, served: ServedModel, default: bool) -> None:
         if served.engine is None:
