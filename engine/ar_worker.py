@@ -37,7 +37,7 @@ from intone.engine.metrics import EngineMetrics
 from intone.engine.model_runner import ModelRunner
 from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.request import Phase, Request, now
-from intone.engine.scheduler import DraftPass, Scheduler
+from intone.engine.scheduler import DraftPass, EndingPass, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,13 @@ class ARWorker:
                         self.decoder.put(ParkItem(request))
                     for request, error in batch.failed:
                         self._finish(request, error=failed("starting a clause", error))
-                    if batch.prefill or batch.generate or batch.drafts:
+                    if batch.prefill or batch.generate or batch.drafts or batch.endings:
                         break
                     self.rows_generating = 0
                     if not (batch.failed or batch.parked):
                         self.lock.wait(self._next_wake(t))
-            if batch.drafts:
-                self._prefill_drafts(batch.drafts)
+            if batch.drafts or batch.endings:
+                self._prefill_drafts(batch.drafts, batch.endings)
             else:
                 self._step(batch.prefill, batch.generate)
 
@@ -230,9 +230,11 @@ class ARWorker:
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
         """One packed prefill pass, which also takes each prefilled clause's first AR step, then
         one AR step for the other rows and the prefilled ones; a failure is pinned on the rows
-        that fail alone."""
+        that fail alone. A clause whose first step an ending prepared joins as a prefilled one."""
         noise_of: dict[str, torch.Tensor] = {}
-        prefill = self._prepare(prefill, noise_of)
+        ready = [r for r in prefill if r.first_step is not None]
+        prefill = self._prepare([r for r in prefill if r.first_step is None], noise_of)
+        prepared = self._prepared_first_steps(ready)
         generate = self._prepare(generate, noise_of)
 
         def run(stage: str, what: str, call, batch: list[Request]) -> tuple[list, float]:
@@ -249,18 +251,22 @@ class ARWorker:
             self._fail_rows(what, failures)
             return done, seconds
 
-        self.rows_generating = len(prefill) + len(generate)
+        self.rows_generating = len(prepared) + len(prefill) + len(generate)
         # The decoder keeps a core free while new streams' first frames are computed.
-        self.decoder.first_frames_due = any(r.frames_generated == 0 for r in prefill)
+        starting = [*(r for r, _ in prepared), *prefill]
+        self.decoder.first_frames_due = any(r.frames_generated == 0 for r in starting)
         try:
+            first = prepared
             if prefill:
                 positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
-                first, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
+                done, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
+                first += done
                 if positions:
                     scheduler = self.scheduler
                     scheduler.prefill_position_s = running_mean(
                         scheduler.prefill_position_s, seconds / positions
                     )
+            if first:
                 for request, _ in first:
                     request.prompt = None
                     request.phase = Phase.GENERATING
@@ -285,20 +291,28 @@ class ARWorker:
         finally:
             self.decoder.first_frames_due = False
 
-    def _prefill_drafts(self, drafts: list[DraftPass]) -> None:
-        """Prefill first clauses' drafts (the AR stage has nothing else to run). A pass that
-        fails only loses its head start: its drafts are dropped, and their clauses' own prompt
-        passes do it all."""
+    def _prefill_drafts(self, drafts: list[DraftPass], endings: list[EndingPass]) -> None:
+        """Prefill first clauses' drafts and prepare endings, in one pass (the AR stage has
+        nothing else to run). A pass that fails only loses its head start: its drafts are
+        dropped, and their clauses' own prompt passes do it all."""
         tables = []
         for item in drafts:
             assert item.request.draft is not None and item.request.draft.table is not None
             tables.append((item.request.draft.table, item.tokens[item.kept :]))
+        first_steps: list[tuple[torch.Tensor, bool]] = []
         try:
-            self.runner.prefill_drafts(tables)
+            if endings:
+                latents, eos = self.runner.prefill_endings(
+                    tables,
+                    [(e.ending.table, e.ending.tokens[e.kept :], e.request) for e in endings],
+                )
+                first_steps = list(zip(latents, self.io.values(eos), strict=True))
+            else:
+                self.runner.prefill_drafts(tables)
         except Exception:
             logger.exception("a draft pass failed; its clauses start from their text")
             with self.lock:
-                for item in drafts:
+                for item in [*drafts, *endings]:
                     self.scheduler.release_draft(item.request.draft)
                     item.request.draft = None
             return
@@ -306,6 +320,27 @@ class ARWorker:
             for item in drafts:
                 assert item.request.draft is not None
                 item.request.draft.written = item.tokens
+            for ending, first_step in zip(endings, first_steps, strict=True):
+                ending.ending.first_step = first_step
+
+    def _prepared_first_steps(
+        self, requests: list[Request]
+    ) -> list[tuple[Request, tuple[torch.Tensor, bool]]]:
+        """The first latents and EOS flags of clauses whose prompt pass an ending did
+        (`request.Ending`), each request's generator moved past the noise that pass took
+        (`ModelRunner.peek_noise`), as its own prompt pass would have moved it."""
+        done, failures = [], []
+        for request in requests:
+            first_step, request.first_step = request.first_step, None
+            assert first_step is not None
+            try:
+                self.runner.draw_noise(request)
+            except Exception as e:
+                failures.append((request, e))
+                continue
+            done.append((request, first_step))
+        self._fail_rows("drawing noise", failures)
+        return done
 
     def _prepare(self, requests: list[Request], noise_of: dict[str, torch.Tensor]) -> list[Request]:
         """Draw each row's noise for its next pass (into `noise_of`) and extend its pages by the

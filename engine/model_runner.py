@@ -213,8 +213,17 @@ class ModelRunner:
 
         Drawn once per frame: a retried step reuses it, so a retry never shifts the generator.
         """
+        return self._noise(request, request.generator)
+
+    def peek_noise(self, request: Request) -> torch.Tensor:
+        """The noise `draw_noise` will give the request next, its generator left as it is."""
+        generator = torch.Generator()
+        generator.set_state(request.generator.get_state())
+        return self._noise(request, generator)
+
+    def _noise(self, request: Request, generator: torch.Generator) -> torch.Tensor:
         noise = draw_noise(
-            [request.generator],
+            [generator],
             self.flow_lm.latent_dim,
             [request.temperature],
             [request.noise_clamp],
@@ -228,24 +237,32 @@ class ModelRunner:
         """Packed prompts and attention for `requests`, each prompt followed by its clause's first
         AR step (the BOS input), so one pass also gives every clause its first latent. Each
         table already holds its prompt and that step's position."""
-        steps, prompts = [], []
+        sequences = []
         for request in requests:
             assert request.table is not None and request.prompt is not None
-            steps.append(
-                SequenceStep(self.blocks.slots(request.table), request.prompt.shape[0] + 1)
-            )
-            prompts += [request.prompt, self.bos_input]
+            sequences.append((request.table, torch.cat([request.prompt, self.bos_input])))
+        return self._packed_inputs(sequences, noise, self._thresholds(requests))
+
+    def _packed_inputs(
+        self,
+        sequences: list[tuple[PageTable, torch.Tensor]],
+        noise: list[torch.Tensor],
+        eos_thresholds: torch.Tensor,
+    ) -> PrefillInputs:
+        """One packed pass over `sequences`, each a table that already holds the positions its
+        inputs [n, D] write: their last row's latent each."""
+        steps = [SequenceStep(self.blocks.slots(table), x.shape[0]) for table, x in sequences]
         positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
         if isinstance(attention, VarlenAttention) and len(steps) <= TRACED_PROMPT_SEQUENCES:
             attention = attention.as_one_sequence()  # the same pass, and one a trace replays
         ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
         return PrefillInputs(
-            torch.cat(prompts),
+            torch.cat([x for _, x in sequences]),
             positions,
             attention,
             self.io.upload(ends - 1),
             torch.stack(noise),
-            self._thresholds(requests),
+            eos_thresholds,
         )
 
     @torch.no_grad()
@@ -312,6 +329,30 @@ class ModelRunner:
         positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
         with self._busy():
             self.flow_lm.backbone(prompts, positions, attention)
+
+    @torch.no_grad()
+    def prefill_endings(
+        self,
+        drafts: list[tuple[PageTable, list[int]]],
+        endings: list[tuple[PageTable, list[int], Request]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill_drafts`, and in the same pass the prompts of first clauses' endings
+        (`request.Ending`), each followed by its clause's first AR step, with the noise its
+        request will draw for it (`peek_noise`): (first latents [E, latent_dim], EOS flags
+        [E]) of the endings, on the device."""
+        sequences = [(table, self.prompt_embeddings(tokens, None)) for table, tokens in drafts]
+        zeros = torch.zeros(self.flow_lm.latent_dim, device=self.device)
+        noise = [zeros] * len(drafts)
+        for table, tokens, request in endings:
+            prompt = torch.cat([self.prompt_embeddings(tokens, None), self.bos_input])
+            sequences.append((table, prompt))
+            noise.append(self.peek_noise(request))
+        # A draft's last row is no AR step: its latent is not read.
+        thresholds = self.io.upload(
+            torch.tensor([0.0] * len(drafts) + [r.eos_threshold for _, _, r in endings])
+        )
+        latents, eos = self.prefill_step(self._packed_inputs(sequences, noise, thresholds))
+        return latents[len(drafts) :], eos[len(drafts) :]
 
     def prefill(
         self, requests: list[Request], noise: list[torch.Tensor]

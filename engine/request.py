@@ -38,14 +38,30 @@ class Clause:
 
 
 @dataclass
+class Ending:
+    """A first clause's draft as a whole clause (`Draft.whole`), prepared while the LLM's next
+    token decides whether it ends there: the clause's whole prompt pass, so that a clause that
+    is this one starts with its first latent."""
+
+    tokens: list[int]  # the clause's prompt tokens
+    table: PageTable | None = None  # the draft's positions (pages shared), then its own
+    first_step: tuple[torch.Tensor, bool] | None = None  # its first latent and EOS flag
+
+
+@dataclass
 class Draft:
     """A stream's first clause while its text still comes: the prompt tokens of its text so
     far, prefilled while the caller waits for the clause to end, so that its prompt pass has
-    only the rest to do."""
+    only the rest to do; and, where the engine has nothing else to run, that text as a whole
+    clause, in case it ends there."""
 
     tokens: list[int]  # wanted (the caller's side, under the engine lock)
+    # The text so far as a clause (`tokens` and the mark the text preparation ends a clause
+    # with: a wait's cut there, a comma or a period after it are this clause).
+    whole: list[int]
     table: PageTable | None = None  # the voice's pages, then the tokens written (AR thread)
     written: list[int] = field(default_factory=list)  # the tokens whose K/V the table holds
+    ending: Ending | None = None  # `whole` prepared (AR thread)
 
 
 @dataclass
@@ -61,6 +77,8 @@ class RequestMetrics:
     yielded_seconds: float = 0.0
     # Prompt tokens of the first clause that its draft had prefilled before the clause was cut.
     draft_tokens: int = 0
+    # The first clause started with its first latent, prepared from its draft (`Ending`).
+    first_step_prepared: bool = False
 
     @property
     def ttfa(self) -> float | None:
@@ -122,6 +140,9 @@ class Request:
     clause: Clause | None = None
     table: PageTable | None = None
     prompt: torch.Tensor | None = None  # embeddings awaiting prefill
+    # A clause's first latent and EOS flag, prepared before it started (`Ending`): its prompt
+    # pass is done.
+    first_step: tuple[torch.Tensor, bool] | None = None
     previous_latent: torch.Tensor | None = None
     latent_at: float | None = None  # when its last latent came, in this clause
     progress: ClauseProgress | None = None

@@ -33,7 +33,9 @@ Each iteration:
 4. an iteration with nothing else to run or admit prefills the drafts of streams whose first
    clause is still being written (`drafts`, `request.Draft`), each on pages of its own; a clause
    that starts takes over its draft's pages where the draft's tokens start it, and a clause short
-   of pages takes other drafts' first.
+   of pages takes other drafts' first. Where no stream holds a row, one stream's draft pass also
+   prepares its text so far as a whole clause (`request.Ending`, on pages that share the draft's):
+   a clause that is that one starts with its first latent, on the ending's pages.
 
 The pacing policy (`PacingPolicy`, engine/pacing.py) is the scheduler's: it says, at the time
 `schedule` is given, which streams are held, how far ahead each is, and how much each needs a step.
@@ -56,7 +58,7 @@ from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
-from intone.engine.request import Draft, Phase, Request
+from intone.engine.request import Draft, Ending, Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 
 __all__ = ["Batch", "Need", "Scheduler", "VoicePrefix"]
@@ -71,11 +73,13 @@ class Batch:
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     parked: list[Request] = field(default_factory=list)  # gave their row up this iteration
     # First clauses' drafts to prefill, each with the tokens its table has just grown by
-    # (`Scheduler.drafts`): only in an iteration with nothing else to run.
+    # (`Scheduler.drafts`), and the ending to prepare in the same pass: only in an iteration
+    # with nothing else to run.
     drafts: list[DraftPass] = field(default_factory=list)
+    endings: list[EndingPass] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill or self.generate or self.failed or self.drafts)
+        return bool(self.prefill or self.generate or self.failed or self.drafts or self.endings)
 
 
 @dataclass
@@ -83,6 +87,13 @@ class DraftPass:
     request: Request
     tokens: list[int]  # the draft's tokens once this pass has written them
     kept: int  # how many of them, at the start, its table held already: the pass writes the rest
+
+
+@dataclass
+class EndingPass:
+    request: Request
+    ending: Ending  # on pages of its own, its table holding the draft's first `kept` tokens
+    kept: int  # the pass writes the ending's other tokens and its first AR step
 
 
 class Scheduler:
@@ -224,40 +235,57 @@ class Scheduler:
         tail = request.tail.shape[0] if request.tail is not None else 0
         tokens = clause.plan.tokens
         final = voice.length + tail + len(tokens) + clause.plan.max_frames
-        # A draft's tokens that start the clause are in its table already; one is always left
-        # for the prompt pass.
         draft = request.draft
-        drafted = 0
-        if draft is not None and draft.table is not None and request.tail is None:
-            drafted = min(common_prefix(draft.written, tokens), len(tokens) - 1)
-        prompt = self.runner.prompt_embeddings(tokens[drafted:], request.tail)
-        request.draft = None
-        if drafted:
-            assert draft is not None and draft.table is not None
-            table: PageTable | None = draft.table
-            self.blocks.truncate(draft.table, voice.length + drafted)
-        else:
+        ending = self._take_ending(draft, tokens) if request.tail is None else None
+        if ending is not None:
+            # Its prompt pass is done, on the ending's pages.
+            drafted, prompt, table = len(tokens), None, ending.table
             self.release_draft(draft)
-            table = None
+        else:
+            # A draft's tokens that start the clause are in its table already; one is always
+            # left for the prompt pass.
+            drafted = 0
+            if draft is not None and draft.table is not None and request.tail is None:
+                drafted = min(common_prefix(draft.written, tokens), len(tokens) - 1)
+            prompt = self.runner.prompt_embeddings(tokens[drafted:], request.tail)
+            if drafted:
+                assert draft is not None and draft.table is not None
+                self.release_ending(draft)  # it shares pages the clause writes again
+                table = draft.table
+                self.blocks.truncate(draft.table, voice.length + drafted)
+            else:
+                self.release_draft(draft)
+                table = None
+        request.draft = None
         table = self._clause_table(voice, final, table)
         if table is None:
             return False
         request.pending.popleft()
         request.metrics.draft_tokens += drafted
+        request.metrics.first_step_prepared |= ending is not None
         request.clause = clause
         request.table = table
         request.prompt = prompt
+        request.first_step = ending.first_step if ending is not None else None
         request.progress = ClauseProgress(clause.plan)
         request.latents = []
         request.phase = Phase.PREFILL
         return True
 
+    def _take_ending(self, draft: Draft | None, tokens: list[int]) -> Ending | None:
+        """The draft's prepared ending, taken out of it, if it is the clause of `tokens`."""
+        ending = draft.ending if draft is not None else None
+        if ending is None or ending.tokens != tokens or ending.first_step is None:
+            return None
+        draft.ending = None
+        return ending
+
     def _clause_table(
         self, voice: PageTable, final: int, table: PageTable | None
     ) -> PageTable | None:
-        """`table` (a draft's), or a new one on `voice`, with pages promised up to `final`;
-        where the pool is short, other streams' drafts (only a head start) and idle voices
-        (loaded again when a stream needs them) give theirs up first. None if it still is (no
+        """`table` (a draft's or an ending's), or a new one on `voice`, with pages promised up
+        to `final`; where the pool is short, other streams' drafts (only a head start) and idle
+        voices (loaded again when a stream needs them) give theirs up first. None if it still is (no
         page held then)."""
         for short_before in (False, True):
             if short_before:
@@ -268,7 +296,7 @@ class Scheduler:
                     held = len(table.pages) + table.reserved
                 self.voices.make_room(self.blocks.pages_for(final) - held)
             if table is None:
-                shared = self._share_voice(voice, final)
+                shared = self._share(voice, final)
                 if shared is not None:
                     return shared
             elif self.blocks.reserve(table, final):
@@ -277,18 +305,18 @@ class Scheduler:
             self.blocks.release(table)
         return None
 
-    def _share_voice(self, voice: PageTable, final: int) -> PageTable | None:
-        """A table starting with the voice's positions (its full pages shared, a partial one
-        copied) with pages promised up to `final`; None if the pool is short. On an exception
-        no page is held."""
-        table, partial_page = self.blocks.share(voice)
+    def _share(self, prefix: PageTable, final: int) -> PageTable | None:
+        """A table starting with `prefix`'s positions (a voice's, or a draft's first ones: its
+        full pages shared, a partial one copied) with pages promised up to `final`; None if the
+        pool is short. On an exception no page is held."""
+        table, partial_page = self.blocks.share(prefix)
         if not self.blocks.reserve(table, final, copy_partial=partial_page is not None):
             self.blocks.release(table)
             return None
         if partial_page is not None:
             try:
                 self.runner.copy_page(
-                    partial_page, table.pages[-1], voice.length % self.blocks.page_size
+                    partial_page, table.pages[-1], prefix.length % self.blocks.page_size
                 )
             except Exception:
                 self.blocks.release(table)
@@ -297,24 +325,39 @@ class Scheduler:
 
     def release_draft(self, draft: Draft | None) -> None:
         if draft is not None and draft.table is not None:
+            self.release_ending(draft)
             self.blocks.release(draft.table)
             draft.table = None
             draft.written = []
 
-    def drafts(self) -> list[DraftPass]:
+    def release_ending(self, draft: Draft) -> None:
+        """Give back the pages of the draft's ending (before its own pages are written again:
+        they share them)."""
+        if draft.ending is not None and draft.ending.table is not None:
+            self.blocks.release(draft.ending.table)
+        draft.ending = None
+
+    def drafts(self) -> tuple[list[DraftPass], list[EndingPass]]:
         """The passes that bring the drafts of streams with no row yet up to their tokens,
         each table truncated to what its tokens share with what it holds and grown by the
-        rest. A draft the pool has no pages for waits (it is only a head start)."""
+        rest, and, where no stream holds a row, one stream's ending (`ending_pass`). A draft or
+        an ending the pool has no pages for waits (it is only a head start)."""
         passes = []
+        endings: list[EndingPass] = []
         for request in self.idle.values():
             draft = request.draft
-            if draft is None or draft.tokens == draft.written:
+            if draft is None:
                 continue
+            if draft.tokens == draft.written:
+                if not endings:
+                    endings = self.ending_pass(request, len(draft.written))
+                continue
+            self.release_ending(draft)  # it shares pages this pass may write again
             voice = self.voices[request.voice].table
             assert voice is not None, "a stream's voice stays resident while it is open"
             if draft.table is None:
                 try:
-                    draft.table = self._share_voice(voice, voice.length + len(draft.tokens))
+                    draft.table = self._share(voice, voice.length + len(draft.tokens))
                 except Exception:
                     logger.exception("a draft of %s could not start", request.id)
                     request.draft = None
@@ -326,18 +369,50 @@ class Scheduler:
             kept = common_prefix(draft.written, draft.tokens)
             self.blocks.truncate(draft.table, voice.length + kept)
             draft.written = draft.written[:kept]
+            if not endings:
+                endings = self.ending_pass(request, kept)
             if kept < len(draft.tokens):
                 self.blocks.extend(draft.table, len(draft.tokens) - kept)
                 passes.append(DraftPass(request, list(draft.tokens), kept))
             else:
                 draft.written = list(draft.tokens)
-        return passes
+        return passes, endings
+
+    def ending_pass(self, request: Request, written: int) -> list[EndingPass]:
+        """The pass that prepares `request`'s draft as a whole clause (`Draft.whole`), if it is
+        not prepared (a list of one, or none): on a table that shares the draft table's first
+        positions, as far as the draft's first `written` tokens start it (one token always
+        left), grown by the rest and its first AR step. None while a stream holds a row: the
+        pass would delay its steps."""
+        draft = request.draft
+        if self.running or draft is None or draft.table is None:
+            return []
+        if draft.ending is not None:
+            if draft.ending.tokens == draft.whole:
+                return []
+            self.release_ending(draft)
+        voice = self.voices[request.voice].table
+        assert voice is not None, "a stream's voice stays resident while it is open"
+        tokens = draft.whole
+        kept = min(common_prefix(draft.written[:written], tokens), len(tokens) - 1)
+        prefix = PageTable(draft.table.pages, voice.length + kept)
+        try:
+            table = self._share(prefix, voice.length + len(tokens) + 1)
+        except Exception:
+            logger.exception("the ending of %s could not start", request.id)
+            return []
+        if table is None:
+            return []
+        self.blocks.extend(table, len(tokens) - kept + 1)
+        draft.ending = Ending(list(tokens), table)
+        return [EndingPass(request, draft.ending, kept)]
 
     def end_clause(self, request: Request) -> None:
         if request.table is not None:
             self.blocks.release(request.table)
         request.table = None
         request.prompt = None
+        request.first_step = None
         request.clause = None
         request.progress = None
 
@@ -427,11 +502,11 @@ class Scheduler:
                 affordable = max(least - PREFILL_MARGIN_S, 0.0) / self.prefill_position_s
                 positions = min(positions, int(affordable))
         for request in prompts:
-            assert request.prompt is not None
-            if prefill and (tokens + request.prompt.shape[0] > positions or len(prefill) == most):
+            size = 0 if request.prompt is None else request.prompt.shape[0]  # 0: `first_step`
+            if prefill and (tokens + size > positions or len(prefill) == most):
                 break
             prefill.append(request)
-            tokens += request.prompt.shape[0]
+            tokens += size
         spare_pass = bool(prefill) and all(r in spare_prompts for r in prefill)
         if spare_pass or not (prefill or bursting or due):
             # No stream within lead_s needs this iteration: the spare rows step, and the rows
@@ -443,8 +518,10 @@ class Scheduler:
             self.bursting = bool(within)
         # Nothing else to run or admit: first clauses' prompt passes may begin before their
         # text ends.
-        drafts = [] if prefill or generate or self.waiting else self.drafts()
-        return Batch(prefill, generate, failed, parked, drafts)
+        drafts, endings = [], []
+        if not (prefill or generate or self.waiting):
+            drafts, endings = self.drafts()
+        return Batch(prefill, generate, failed, parked, drafts, endings)
 
     def _padding(self, rows: int) -> int:
         """Rows a step of `rows` is padded with anyway (batch buckets): free for spare rows."""

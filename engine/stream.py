@@ -174,9 +174,9 @@ class StreamHost:
             if request.frames_generated or request.pending or request.phase is not Phase.WAITING:
                 return  # the clause is cut (or the stream over): the draft is too late
             if request.draft is None:
-                request.draft = Draft(tokens)
+                request.draft = Draft(tokens, plan.tokens)
             else:
-                request.draft.tokens = tokens
+                request.draft.tokens, request.draft.whole = tokens, plan.tokens
             self.lock.notify_all()
 
     def submit(self, request: Request, clauses: list[Clause], end: bool) -> None:

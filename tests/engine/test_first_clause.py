@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -576,12 +577,14 @@ async def test_a_drafted_word_that_goes_on_keeps_what_it_shares(make_engine):
     await written(stream)
     clause = plan_clause(engine.loaded, "Your total comes to twelve.", ONE_CLAUSE).tokens
     assert stream.request.draft.written == clause[:-1]  # grown by what the word added
+    await ending_prepared(stream)  # and, as a whole clause, prepared on what it shares
     stream.end_input()
     audio = await spoken(stream)
     at_once = await said_at_once(engine, " Your total comes to twelve.")
     np.testing.assert_allclose(audio, at_once, rtol=0, atol=1e-6)
-    # Every token but the last (the prompt pass always has one) came from the draft.
-    assert stream.metrics.draft_tokens == len(clause) - 1
+    # Every token, and the first step, came from the draft and its ending.
+    assert stream.metrics.draft_tokens == len(clause)
+    assert stream.metrics.first_step_prepared
     assert engine.blocks.pages_in_use == pages
 
 
@@ -796,3 +799,75 @@ async def test_a_confirmed_guess_keeps_the_clauses_in_order(make_engine):
         said = [e.text async for e in stream if isinstance(e, ClauseDone)]
     assert said[:2] == ["Yes.", "Sure thing, we can do that."]
     assert_words_kept("Yes. Sure thing, we can do that. And then some more words.", said)
+
+
+# ---- a first clause's text so far prepared as a whole clause, in case it ends there
+
+
+async def ending_prepared(stream: Stream) -> None:
+    """Until the stream's draft is written and prepared as a whole clause."""
+    async with asyncio.timeout(30):
+        while True:
+            draft = stream.request.draft
+            if draft is not None and draft.written == draft.tokens:
+                ending = draft.ending
+                if ending is not None and ending.tokens == draft.whole and ending.first_step:
+                    return
+            await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+async def test_a_first_clause_that_ends_where_its_draft_was_prepared_says_what_it_would_say(
+    make_engine, temperature: float
+):
+    """The draft " Hi", " there" prepared as the clause "Hi there." (the text preparation
+    ends a clause with a period: a comma, a period or the wait's cut there are that clause), then
+    ",": the clause starts with the first latent its ending prepared, on the ending's pages, and
+    says what it says at once (its noise too: the ending drew what the clause's own pass would
+    have drawn)."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    policy = replace(options(first_clause_max_wait_ms=10_000), temperature=temperature)
+    stream = engine.stream(None, policy)
+    for token in (" Hi", " there"):
+        stream.push_text(token)
+        await ending_prepared(stream)
+    stream.push_text(",")
+    stream.end_input()
+    audio = await spoken(stream)
+    assert stream.metrics.first_step_prepared
+    np.testing.assert_allclose(
+        audio, await said_at_once(engine, " Hi there,", policy), rtol=0, atol=1e-6
+    )
+    await wait_idle(engine, pages)
+
+
+async def test_a_first_clause_that_ends_otherwise_than_prepared_says_what_it_would_say(
+    make_engine,
+):
+    """The draft " Hi there" prepared as "Hi there.", then "!" (another clause): the prepared
+    ending is not used, the clause says what it says at once, and the ending's pages go back."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    policy = options(first_clause_max_wait_ms=10_000)
+    stream = engine.stream(None, policy)
+    stream.push_text(" Hi there")
+    await ending_prepared(stream)
+    stream.push_text("!")
+    stream.end_input()
+    audio = await spoken(stream)
+    assert not stream.metrics.first_step_prepared
+    at_once = await said_at_once(engine, " Hi there!", policy)
+    np.testing.assert_allclose(audio, at_once, rtol=0, atol=1e-6)
+    await wait_idle(engine, pages)
+
+
+async def test_a_stream_cancelled_with_its_ending_prepared_leaves_no_pages(make_engine):
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    stream = engine.stream(None, options(first_clause_max_wait_ms=10_000))
+    stream.push_text(" Hi there")
+    await ending_prepared(stream)
+    assert stream.request.draft is not None and stream.request.draft.ending is not None
+    stream.cancel()
+    await wait_idle(engine, pages)
