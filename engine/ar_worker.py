@@ -228,19 +228,16 @@ class ARWorker:
                 self._finish(request, error=failed(stage, error))
 
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
-        """The prompt passes of `prefill` and an AR step of `generate`, as one pass where there
-        are both (`ModelRunner.prefill_and_generate`: the weights are read once). Prompt passes
-        alone run first and their clauses join that iteration's AR step, a clause's second latent
-        a step sooner. A failure is pinned on the rows that fail alone. A clause whose first step
-        an ending prepared joins the AR step as a prefilled one."""
+        """One packed prefill pass, which also takes each prefilled clause's first AR step, then
+        one AR step for the other rows and the prefilled ones; a failure is pinned on the rows
+        that fail alone. A clause whose first step an ending prepared joins as a prefilled one."""
         noise_of: dict[str, torch.Tensor] = {}
         ready = [r for r in prefill if r.first_step is not None]
         prefill = self._prepare([r for r in prefill if r.first_step is None], noise_of)
         prepared = self._prepared_first_steps(ready)
         generate = self._prepare(generate, noise_of)
-        together = bool(prefill and generate)
 
-        def run(stage: str, call, batch: list[Request]) -> tuple[list, float]:
+        def run(stage: str, what: str, call, batch: list[Request]) -> tuple[list, float]:
             """The rows done, and the pass's seconds."""
 
             def step(rows: list[Request]) -> list[tuple[torch.Tensor, bool]]:
@@ -251,8 +248,7 @@ class ARWorker:
             done, failures = run_rows(step, batch)
             seconds = time.perf_counter() - started
             self.metrics.step(stage, len(batch), seconds)
-            self._fail_rows("prefill", [(r, e) for r, e in failures if r.prompt is not None])
-            self._fail_rows("AR step", [(r, e) for r, e in failures if r.prompt is None])
+            self._fail_rows(what, failures)
             return done, seconds
 
         self.rows_generating = len(prepared) + len(prefill) + len(generate)
@@ -261,9 +257,9 @@ class ARWorker:
         self.decoder.first_frames_due = any(r.frames_generated == 0 for r in starting)
         try:
             first = prepared
-            if prefill and not together:
+            if prefill:
                 positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
-                done, seconds = run("prefill", self.runner.prefill, prefill)
+                done, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
                 first += done
                 if positions:
                     scheduler = self.scheduler
@@ -271,7 +267,9 @@ class ARWorker:
                         scheduler.prefill_position_s, seconds / positions
                     )
             if first:
-                self._started(first)
+                for request, _ in first:
+                    request.prompt = None
+                    request.phase = Phase.GENERATING
                 # Before the other rows' step, so they reach the decoder while that step runs.
                 self._emit(first)
                 # The prefilled rows join that step: a clause's second latent comes a step sooner
@@ -287,22 +285,11 @@ class ARWorker:
                         and (generate or not r.first_audio_decoding)
                     ]
                 generate += self._prepare(joining, noise_of)
-            if together:
-                done, _ = run("generate", self.runner.prefill_and_generate, prefill + generate)
-                self._started([item for item in done if item[0].prompt is not None])
-                self._emit(done)
-            elif generate:
-                done, _ = run("generate", self.runner.generate, generate)
+            if generate:
+                done, _ = run("generate", "AR step", self.runner.generate, generate)
                 self._emit(done)
         finally:
             self.decoder.first_frames_due = False
-
-    @staticmethod
-    def _started(first: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
-        """Clauses whose first AR step is done: they generate from here on."""
-        for request, _ in first:
-            request.prompt = None
-            request.phase = Phase.GENERATING
 
     def _prefill_drafts(self, drafts: list[DraftPass], endings: list[EndingPass]) -> None:
         """Prefill first clauses' drafts and prepare endings, in one pass (the AR stage has

@@ -44,7 +44,6 @@ from intone.engine.kernels.row_contexts import (
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import (
-    PromptsThenRows,
     SequenceAttention,
     SequenceStep,
     SlotAttention,
@@ -474,113 +473,6 @@ class ModelRunner:
         latents, eos = self.generate_step(inputs)
         return latents.index_select(0, inputs.back), eos.index_select(0, inputs.back)
 
-    # ---- prompt passes and an AR step in one pass
-
-    def prefill_and_generate(
-        self, requests: list[Request], noise: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prefill` for the requests with a prompt and `generate` for the others, as one pass
-        when there are both: (latents [B, latent_dim], EOS flags [B]) in the requests' order, on
-        the device. A full-size pass of one 25-position prompt and 16 AR rows took 52 ms on a
-        Xeon core against 68 for the two passes (bench/results/cpu-2core-xeon-amx-2026-12-07)."""
-        prompted = [i for i, r in enumerate(requests) if r.prompt is not None]
-        stepped = [i for i, r in enumerate(requests) if r.prompt is None]
-        if not prompted:
-            return self.generate(requests, noise)
-        if not stepped:
-            return self.prefill(requests, noise)
-        prompts = self.prefill_inputs([requests[i] for i in prompted], [noise[i] for i in prompted])
-        rows = self.generate_inputs([requests[i] for i in stepped], [noise[i] for i in stepped])
-        latents, eos = self.prefill_and_generate_step(prompts, rows)
-        # The pass's rows: the prompts' first steps, then the AR rows in context order.
-        split = len(prompted)
-        latents = torch.cat([latents[:split], latents[split:].index_select(0, rows.back)])
-        eos = torch.cat([eos[:split], eos[split:].index_select(0, rows.back)])
-        order = prompted + stepped
-        back = self.io.upload(torch.tensor(sorted(range(len(order)), key=order.__getitem__)))
-        return latents.index_select(0, back), eos.index_select(0, back)
-
-    @torch.no_grad()
-    def prefill_and_generate_step(
-        self, prompts: PrefillInputs, rows: GenerateInputs, trace_now: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latents, EOS flags) of `prompts`' sequences, then of `rows` in context order (padding
-        included), on the device. Replayed as a trace where both parts are (up to
-        `TRACED_PROMPT_SEQUENCES` sequences, the native attention)."""
-        with self._busy():
-            attention = PromptsThenRows(prompts.attention, rows.attention)
-            noise = torch.cat([prompts.noise, rows.noise])
-            thresholds = torch.cat([prompts.eos_thresholds, rows.eos_thresholds])
-            traceable = isinstance(prompts.attention, SequenceAttention) and isinstance(
-                rows.attention, NativeRowAttention
-            )
-            if self.ar_traces is None or not traceable:
-                return self._prefill_and_generate(
-                    prompts.prompts,
-                    prompts.positions,
-                    prompts.last,
-                    rows.previous,
-                    rows.positions,
-                    attention,
-                    noise,
-                    thresholds,
-                )
-            assert isinstance(prompts.attention, SequenceAttention)
-            assert isinstance(rows.attention, NativeRowAttention)
-            tensors = {
-                "prompt_positions": prompts.positions,
-                "last": prompts.last,
-                "previous": rows.previous,
-                "positions": rows.positions,
-                "noise": noise,
-                "eos_thresholds": thresholds,
-                **prompts.attention.tensors(),
-                **rows.attention.tensors(),
-            }
-            return self.ar_traces(
-                "prefill+generate",
-                self._prefill_and_generate_traceable,
-                prompts.prompts,
-                tensors,
-                self.flow_lm,
-                trace_now,
-            )
-
-    def _prefill_and_generate(
-        self,
-        prompts: torch.Tensor,
-        prompt_positions: torch.Tensor,
-        last: torch.Tensor,
-        previous: torch.Tensor,
-        positions: torch.Tensor,
-        attention: PromptsThenRows,
-        noise: torch.Tensor,
-        eos_thresholds: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        flow_lm = self.flow_lm
-        x = torch.cat([prompts, flow_lm.embed_latents(previous)])
-        z = flow_lm.backbone(x, torch.cat([prompt_positions, positions]), attention)
-        n = prompts.shape[0]
-        return self._sample(torch.cat([z[:n].index_select(0, last), z[n:]]), noise, eos_thresholds)
-
-    def _prefill_and_generate_traceable(
-        self, prompts: torch.Tensor, tensors: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_prefill_and_generate` with every other input in `tensors`, the form a trace records."""
-        attention = PromptsThenRows(
-            SequenceAttention.from_tensors(tensors), NativeRowAttention.from_tensors(tensors)
-        )
-        return self._prefill_and_generate(
-            prompts,
-            tensors["prompt_positions"],
-            tensors["last"],
-            tensors["previous"],
-            tensors["positions"],
-            attention,
-            tensors["noise"],
-            tensors["eos_thresholds"],
-        )
-
     def _sample(
         self, z: torch.Tensor, noise: torch.Tensor, eos_thresholds: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -658,14 +550,13 @@ class ModelRunner:
     @torch.no_grad()
     def prepare_ar_traces(self) -> None:
         """Make the AR stage's traces now, on a scratch pool and context: the AR step's on one
-        row, which replays for any rows and contexts, a prompt pass's on one sequence of two
-        positions, which replays for any prompt and context, and the two in one pass's.
-        Otherwise each is made in the call that reaches `trace_after`, a stall of about 20 eager
-        calls for that call's streams."""
+        row, which replays for any rows and contexts, and a prompt pass's on one sequence of two
+        positions, which replays for any prompt and context. Otherwise each is made in the call
+        that reaches `trace_after`, a stall of about 20 eager calls for that call's streams."""
         if self.ar_traces is None:
             return
-        pool = self.flow_lm.new_kv_pool(3, device=self.device)
-        step = SequenceStep(torch.tensor([2]), 1)
+        pool = self.flow_lm.new_kv_pool(2, device=self.device)
+        step = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
         _, positions, attention = plan_row_context_step(
             RowContexts(pool, 1, CONTEXT_RUN), [step], [None], native=True, upload=self.io.upload
         )
@@ -682,10 +573,6 @@ class ModelRunner:
         for name, call in (
             ("AR step", lambda: self.generate_step(generate, trace_now=True)),
             ("prompt pass", lambda: self.prefill_step(prefill, trace_now=True)),
-            (
-                "prompt pass with an AR step",
-                lambda: self.prefill_and_generate_step(prefill, generate, trace_now=True),
-            ),
         ):
             try:
                 call()

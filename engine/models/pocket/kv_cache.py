@@ -18,8 +18,6 @@ from typing import Self
 
 import torch
 
-from intone.engine.models.pocket.transformer import KVCache
-
 
 def store_slots(
     keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -227,22 +225,6 @@ class SequenceAttention(TensorFields):
         keys, values = self.keys[layer], self.values[layer]
         store_slots(keys, values, self.write_slots, k, v)
         return attend_sequence(keys, values, q, self.read_slots, self.bias).reshape(q.shape)
-
-
-@dataclass
-class PromptsThenRows:
-    """Prompt passes and an AR step as one pass (implements `KVCache`): the prompts' queries
-    first, packed, then one query per AR row; each part stores and attends as its own attention
-    does. The linear layers around the attention then read their weights once for both parts: on
-    a CPU core they are bound by that read (bench/results/cpu-2core-xeon-amx-2026-12-07)."""
-
-    prompts: SequenceAttention | VarlenAttention
-    rows: KVCache
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n = self.prompts.write_slots.shape[0]  # a size from a shape: a trace keeps it free
-        prompts = self.prompts.attend(layer, q[:n], k[:n], v[:n])
-        return torch.cat([prompts, self.rows.attend(layer, q[n:], k[n:], v[n:])])
 
 
 SlotAttention = DecodeAttention | VarlenAttention
