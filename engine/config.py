@@ -77,7 +77,8 @@ TRACE_AFTER_CALLS = 20
 # (`VarlenAttention.as_one_sequence`), which the prompt pass's trace replays: eager, a packed
 # pass runs every operator through Python, taking the GIL from the threads beside it. Its
 # attention then reads every sequence's keys; beyond four sequences that costs more than the trace
-# saves (bench/results/cpu-2core-xeon-amx-2026-12-07/).
+# saves (bench/results/cpu-2core-xeon-amx-2026-12-07/). A bigger pass runs eagerly, or as traced
+# passes of up to this many where that was timed faster (`ModelRunner.split_prompt_passes`).
 TRACED_PROMPT_SEQUENCES = 4
 
 # ---- each AR row's context kept dense (engine/model_runner.py, `RowContexts`)

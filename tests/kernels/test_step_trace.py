@@ -2,18 +2,22 @@
 trace, made on one scratch row, replays every step bit for bit, whatever its rows, their
 contexts' lengths and the contexts' reservation (which moves when a context outgrows it); a
 prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context,
-and a packed pass of a few sequences as one (`VarlenAttention.as_one_sequence`)."""
+and a packed pass of a few sequences as one (`VarlenAttention.as_one_sequence`); a pass of more
+sequences runs as traced parts of that many where that was timed faster
+(`ModelRunner.split_prompt_passes`)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from intone.engine import Engine, EngineConfig
+from intone.engine.config import TRACED_PROMPT_SEQUENCES
 from intone.engine.kernels.row_contexts import NativeRowAttention, plan_row_context_step
 from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import GenerateInputs, ModelRunner, PrefillInputs
@@ -158,3 +162,47 @@ def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
         torch.testing.assert_close(got_pool.keys, want_pool.keys, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_pool.values, want_pool.values, rtol=1e-6, atol=1e-6)
     assert len(traces) == 2
+
+
+def test_a_prompt_pass_split_into_traced_parts_is_the_packed_pass(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Where split passes were timed faster, a prompt pass of more sequences than a traced pass
+    packs runs as traced parts: each request still gets its own latent and EOS flag, and its
+    keys and values land in its own slots, as in one eager packed pass."""
+    eager, traced = engines
+    assert not eager.runner.split_prompt_passes  # no traces: never split
+    traced.runner.split_prompt_passes = True  # whatever the warm-up timed here
+    parts: list[int] = []
+    prefill_step = traced.runner.prefill_step
+
+    def counted(inputs: PrefillInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        parts.append(inputs.last.shape[0])
+        return prefill_step(inputs)
+
+    traced.runner.prefill_step = counted  # type: ignore[method-assign]
+    sequences = [(0, 2), (37, 3), (150, 31), (5, 9), (12, 4), (60, 7)]
+    assert len(sequences) > TRACED_PROMPT_SEQUENCES
+
+    def prompt_passes(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(7)
+        width, latent_dim = runner.bos_input.shape[-1], runner.flow_lm.latent_dim
+        requests = [
+            SimpleNamespace(
+                table=runner.blocks.allocate(context + prompt + 1),
+                prompt=torch.randn(prompt, width, generator=generator),
+                eos_threshold=float(torch.randn(1, generator=generator)),
+            )
+            for context, prompt in sequences
+        ]
+        noise = [torch.randn(latent_dim, generator=generator) for _ in requests]
+        return runner.prefill(requests, noise)  # type: ignore[arg-type]
+
+    want = prompt_passes(eager.runner)
+    got = prompt_passes(traced.runner)
+    assert parts == [TRACED_PROMPT_SEQUENCES, len(sequences) - TRACED_PROMPT_SEQUENCES]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    got_pool, want_pool = traced.runner.pool, eager.runner.pool
+    torch.testing.assert_close(got_pool.keys, want_pool.keys, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_pool.values, want_pool.values, rtol=1e-6, atol=1e-6)
