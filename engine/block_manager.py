@@ -34,6 +34,7 @@ class BlockManager:
         self.ref_counts = [0] * num_pages
         self.free_pages = list(range(num_pages - 1, -1, -1))
         self.reserved = 0
+        self._page_offsets = torch.arange(page_size)
 
     @property
     def pages_in_use(self) -> int:
@@ -49,9 +50,12 @@ class BlockManager:
 
     def slots(self, table: PageTable, start: int = 0, end: int | None = None) -> torch.Tensor:
         end = table.length if end is None else end
-        positions = torch.arange(start, end)
+        if not 0 <= start <= end <= len(table.pages) * self.page_size:
+            raise IndexError(f"positions {start}..{end} outside a table of {table.length}")
+        # Every slot of the table's pages, then the range: half the operators of indexing by
+        # position (an AR step asks for every row's, 64 rows a step at c=64).
         pages = torch.tensor(table.pages, dtype=torch.long)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        return (pages[:, None] * self.page_size + self._page_offsets).view(-1)[start:end]
 
     def _take(self) -> int:
         page = self.free_pages.pop()
