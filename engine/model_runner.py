@@ -365,7 +365,7 @@ class ModelRunner:
         their clauses' first AR step: (latents [B, latent_dim], EOS flags [B]) on the device.
         Where `split_prompt_passes`, a pass of more sequences than `TRACED_PROMPT_SEQUENCES`
         runs as traced passes of up to that many."""
-        part = TRACED_PROMPT_SEQUENCES if self.split_prompt_passes else len(requests)
+        part = TRACED_PROMPT_SEQUENCES if self.split_prompt_passes else max(len(requests), 1)
         passes = [
             self.prefill_step(self.prefill_inputs(requests[i : i + part], noise[i : i + part]))
             for i in range(0, len(requests), part)
