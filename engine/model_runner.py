@@ -103,10 +103,13 @@ class ModelRunner:
         native_kernels: bool = True,
         io: DeviceIO | None = None,
         ar_traces: traces.TraceCache | None = None,
+        half_row_contexts: bool = False,
     ):
         """`trace_after`: the CPU decoder's (`EngineConfig.trace_after`); `ar_traces`: where
         AR steps through the native attention and prompt passes of one sequence are traced
-        (`new_ar_traces`), which runners of one model and engine may share."""
+        (`new_ar_traces`), which runners of one model and engine may share;
+        `half_row_contexts`: the AR rows' dense contexts in float16 where the native attention
+        reads them (`Precision.half_row_contexts`)."""
         self.model = model
         # Host-side inputs reach the device through it (pinned and asynchronous on a GPU).
         self.io = io or DeviceIO(device)
@@ -121,17 +124,20 @@ class ModelRunner:
         self.pool = self.flow_lm.new_kv_pool(
             (blocks.num_pages + 1) * blocks.page_size, device=device
         )
+        # The native decode attention reads contexts in host memory, from a float32 pool;
+        # elsewhere torch attends.
+        host_contexts = device.type == "cpu" and self.pool.keys.dtype == torch.float32
+        self.native_row_attention = native_kernels and host_contexts and row_attention.load()
+        self.ar_traces = ar_traces if self.native_row_attention else None
         # Every row a step can have (bucket padding included), reserved now: see RowContexts.
         rows = max([decoder_slots, *(self.batch_buckets or [])])
         fits = ROW_CONTEXT_POOL_MULTIPLE * self.pool.num_slots // rows // CONTEXT_RUN * CONTEXT_RUN
         capacity = max(CONTEXT_RUN, min(ROW_CONTEXT_POSITIONS, fits))
-        self.row_contexts = RowContexts(self.pool, rows, capacity)
+        half = half_row_contexts and self.native_row_attention
+        self.row_contexts = RowContexts(
+            self.pool, rows, capacity, torch.float16 if half else self.pool.keys.dtype
+        )
         self.row_contexts.fault_in(ROW_CONTEXT_FAULT_IN_POSITIONS)
-        # The native decode attention reads float32 contexts in host memory; elsewhere torch
-        # attends.
-        host_contexts = device.type == "cpu" and self.pool.keys.dtype == torch.float32
-        self.native_row_attention = native_kernels and host_contexts and row_attention.load()
-        self.ar_traces = ar_traces if self.native_row_attention else None
         # Whether a prompt pass of more than `TRACED_PROMPT_SEQUENCES` sequences runs as traced
         # parts of that many (`prefill`): timed on this model by `prepare_ar_traces`.
         self.split_prompt_passes = False
@@ -185,6 +191,7 @@ class ModelRunner:
             native_kernels=config.native_kernels,
             io=io,
             ar_traces=ar_traces,
+            half_row_contexts=precision.half_row_contexts,
         )
 
     def close(self) -> None:
@@ -571,7 +578,11 @@ class ModelRunner:
         pool = self.flow_lm.new_kv_pool(2, device=self.device)
         step = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
         _, positions, attention = plan_row_context_step(
-            RowContexts(pool, 1, CONTEXT_RUN), [step], [None], native=True, upload=self.io.upload
+            RowContexts(pool, 1, CONTEXT_RUN, self.row_contexts.keys.dtype),
+            [step],
+            [None],
+            native=True,
+            upload=self.io.upload,
         )
         zeros = torch.zeros(1, self.flow_lm.latent_dim, device=self.device)
         first = torch.zeros(1, dtype=torch.long, device=self.device)

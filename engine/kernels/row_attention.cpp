@@ -16,6 +16,11 @@
  *
  * Built without -ffast-math: the `omp simd` pragmas are what allow the reductions to vectorise;
  * the softmax's exp is vector_math.h's.
+ *
+ * The contexts may be float16 (the CPU fast path's, engine/precision.py): the step reads every
+ * row's whole context in every layer at the speed of memory, so half the bytes is most of half
+ * the time. Queries, scores and sums stay float32; keys and values are widened a vector at a time
+ * by the conversion instructions (GCC 12 converts a _Float16 vector lane by lane).
  */
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -27,6 +32,10 @@
 #include <vector>
 
 #include "vector_math.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -55,6 +64,83 @@ float exp_shifted(float* scores, int64_t n, float top) {
   }
   for (int64_t i = 0; i < LANES; i++) total += sums[i];
   return total;
+}
+
+/* float16, the same IEEE binary16 as torch's at::Half. */
+using half = _Float16;
+
+/* LANES float16 values at p as floats, and back (round to nearest even, as torch converts). */
+inline floats widen(const half* p) {
+#if defined(__AVX512F__)
+  return (floats)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (floats)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  floats f;
+  for (int64_t i = 0; i < LANES; i++) f[i] = (float)p[i];
+  return f;
+#endif
+}
+
+inline void narrow(floats f, half* p) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph((__m512)f, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__) && defined(__AVX__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph((__m256)f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int64_t i = 0; i < LANES; i++) p[i] = (half)f[i];
+#endif
+}
+
+/* The sum of a vector's lanes as a tree (a chain of lane-by-lane adds, which the compiler may
+ * not reorder without -ffast-math, cost more than the dot product it ends). */
+inline float lane_sum(floats v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s[LANES];
+  std::memcpy(s, &v, sizeof v);
+  for (int64_t width = LANES / 2; width > 0; width /= 2)
+    for (int64_t i = 0; i < width; i++) s[i] += s[i + width];
+  return s[0];
+#endif
+}
+
+/* Vectors of a head of up to this many: 256 dims on AVX-512, 128 on AVX, 64 elsewhere. */
+constexpr int64_t HEAD_VECTORS = 16;
+
+/* attend_head over float16 keys and values [length, dim], for dim a multiple of LANES of at
+ * most HEAD_VECTORS vectors: a key's dot product and a value's sum a vector at a time. */
+void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
+                      const half* __restrict__ v, float* __restrict__ out, int64_t group,
+                      int64_t dim, int64_t length, float scale, float* __restrict__ scores) {
+  const int64_t vectors = dim / LANES;
+  for (int64_t j = 0; j < group; j++) {
+    floats qv[HEAD_VECTORS];
+    for (int64_t c = 0; c < vectors; c++) std::memcpy(&qv[c], q + j * dim + c * LANES, sizeof(floats));
+    float top = -3.4e38f;
+    for (int64_t t = 0; t < length; t++) {
+      const half* kt = k + t * dim;
+      floats acc = {};
+      for (int64_t c = 0; c < vectors; c++) acc += qv[c] * widen(kt + c * LANES);
+      scores[t] = lane_sum(acc) * scale;
+      top = scores[t] > top ? scores[t] : top;
+    }
+    const float total = exp_shifted(scores, length, top);
+    floats acc[HEAD_VECTORS] = {};
+    for (int64_t t = 0; t < length; t++) {
+      const half* vt = v + t * dim;
+      const float p = scores[t];
+      for (int64_t c = 0; c < vectors; c++) acc[c] += p * widen(vt + c * LANES);
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t c = 0; c < vectors; c++) {
+      const floats o = acc[c] * inverse;
+      std::memcpy(out + j * dim + c * LANES, &o, sizeof o);
+    }
+  }
 }
 
 /* The `group` query heads q [group, dim] of one KV head over its `length` keys and values
@@ -101,15 +187,17 @@ void check_row_vector(const at::Tensor& t, int64_t rows, const char* name) {
 }
 
 /* q [rows, heads, D]; one layer's row contexts, keys and values [contexts >= rows, kv_heads,
- * capacity, D], float32 on the CPU, row r in context r, positions D floats apart; lengths [rows]
- * (int64): the positions row r reads (1 .. capacity). Query head i reads KV head
- * i / (heads / kv_heads). Returns [rows, heads, D]. */
+ * capacity, D], float32 or float16 on the CPU, row r in context r, positions D values apart;
+ * lengths [rows] (int64): the positions row r reads (1 .. capacity). Query head i reads KV head
+ * i / (heads / kv_heads). Returns [rows, heads, D] in float32. */
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                          const at::Tensor& lengths) {
-  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                       values.scalar_type() == at::kFloat,
-                   "row_attention takes float32, not ", q.scalar_type(), "/",
-                   keys.scalar_type());
+  const bool halves = keys.scalar_type() == at::kHalf;
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat &&
+                       (keys.scalar_type() == at::kFloat || halves) &&
+                       values.scalar_type() == keys.scalar_type(),
+                   "row_attention takes float32 queries over float32 or float16 contexts, not ",
+                   q.scalar_type(), "/", keys.scalar_type(), "/", values.scalar_type());
   TORCH_CHECK_VALUE(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
                     "row_attention runs on the CPU");
   TORCH_CHECK_VALUE(q.dim() == 3 && keys.dim() == 4 && keys.sizes() == values.sizes(),
@@ -134,9 +222,10 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& keys, const at::
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty({rows, heads, dim}, qc.options());
   std::vector<float> scratch(longest + dim);
+  TORCH_CHECK_VALUE(!halves || (dim % LANES == 0 && dim <= HEAD_VECTORS * LANES),
+                    "float16 contexts need a head size that is a multiple of ", LANES,
+                    " up to ", HEAD_VECTORS * LANES, ", not ", dim);
   const float* qs = qc.data_ptr<float>();
-  const float* ks = keys.data_ptr<float>();
-  const float* vs = values.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t group = heads / kv_heads;
   const int64_t context_stride = keys.stride(0), head_stride = keys.stride(1);
@@ -146,6 +235,15 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& keys, const at::
     for (int64_t h = 0; h < kv_heads; h++) {
       const int64_t first = (r * heads + h * group) * dim;
       const int64_t context = r * context_stride + h * head_stride;
+      if (halves) {
+        const half* ks = reinterpret_cast<const half*>(keys.data_ptr<at::Half>());
+        const half* vs = reinterpret_cast<const half*>(values.data_ptr<at::Half>());
+        attend_head_half(qs + first, ks + context, vs + context, os + first, group, dim,
+                         length[r], scale, scores);
+        continue;
+      }
+      const float* ks = keys.data_ptr<float>();
+      const float* vs = values.data_ptr<float>();
       /* 64: every released config's head size. */
       if (dim == 64)
         attend_head<64>(qs + first, ks + context, vs + context, os + first, group, dim, length[r],
@@ -160,12 +258,15 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& keys, const at::
 
 /* target + offsets[r] + h * target.stride(-3) <- source[r, h, :] (D floats) for every row r and
  * head h: a step's new keys or values into the pool's slots of a layer ([heads, slots, D],
- * offsets: slot * D) or the row contexts ([contexts, heads, capacity, D]). torch's index_copy_ and
- * index_put_ took 80 us a call for these 256 runs of 256 bytes (full size, 16 rows). */
+ * offsets: slot * D) or the row contexts ([contexts, heads, capacity, D], float32 or float16).
+ * torch's index_copy_ and index_put_ took 80 us a call for these 256 runs of 256 bytes (full
+ * size, 16 rows). */
 void row_store(const at::Tensor& source, const at::Tensor& target, const at::Tensor& offsets) {
-  TORCH_CHECK_TYPE(source.scalar_type() == at::kFloat && target.scalar_type() == at::kFloat,
-                   "row_store takes float32, not ", source.scalar_type(), "/",
-                   target.scalar_type());
+  const bool halves = target.scalar_type() == at::kHalf;
+  TORCH_CHECK_TYPE(source.scalar_type() == at::kFloat &&
+                       (target.scalar_type() == at::kFloat || halves),
+                   "row_store takes float32 into float32 or float16, not ", source.scalar_type(),
+                   "/", target.scalar_type());
   TORCH_CHECK_VALUE(source.device().is_cpu() && target.device().is_cpu(),
                     "row_store runs on the CPU");
   TORCH_CHECK_VALUE(source.dim() == 3 && target.dim() >= 3, "source [rows, heads, D], not ",
@@ -186,6 +287,22 @@ void row_store(const at::Tensor& source, const at::Tensor& target, const at::Ten
                       "offsets ", offsets, " fall outside ", target.sizes());
   const at::Tensor src = source.contiguous();
   const float* from = src.data_ptr<float>();
+  if (halves) {
+    half* to = reinterpret_cast<half*>(target.data_ptr<at::Half>());
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t h = 0; h < heads; h++) {
+        const float* run = from + (r * heads + h) * dim;
+        half* into = to + offset[r] + h * head_stride;
+        int64_t d = 0;
+        for (; d + LANES <= dim; d += LANES) {
+          floats f;
+          std::memcpy(&f, run + d, sizeof f);
+          narrow(f, into + d);
+        }
+        for (; d < dim; d++) into[d] = (half)run[d];
+      }
+    return;
+  }
   float* to = target.data_ptr<float>();
   for (int64_t r = 0; r < rows; r++)
     for (int64_t h = 0; h < heads; h++)

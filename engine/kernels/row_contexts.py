@@ -37,12 +37,15 @@ class RowContexts:
     what the rows' contexts reach, `nbytes`. A step past the reservation still grows it.
     """
 
-    def __init__(self, pool: KVPool, rows: int = 0, capacity: int = 0):
+    def __init__(
+        self, pool: KVPool, rows: int = 0, capacity: int = 0, dtype: torch.dtype | None = None
+    ):
+        """`dtype`: the contexts' (default the pool's); a copy from the pool rounds to it."""
         self.pool = pool
         layers, heads, _, dim = pool.keys.shape
         shape = (layers, rows, heads, _rounded(capacity), dim)
-        self.keys = pool.keys.new_empty(shape)
-        self.values = pool.values.new_empty(shape)
+        self.keys = pool.keys.new_empty(shape, dtype=dtype)
+        self.values = pool.values.new_empty(shape, dtype=dtype)
         self.owners: list[object | None] = [None] * rows  # whose context each one holds
         self.lengths: list[int] = [0] * rows  # positions each holds once its step is done
         self.clean: list[int] = [0] * rows  # positions of each written or zeroed
@@ -55,7 +58,8 @@ class RowContexts:
     def nbytes(self) -> int:
         """Memory the contexts' written positions take (the rest of the reservation takes none
         on a CPU until a step reads that far)."""
-        return self.pool.slot_bytes * sum(self.clean)
+        layers, _, heads, _, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size() * sum(self.clean)
 
     def seat(
         self, histories: list[torch.Tensor], owners: list[object | None], length: int
@@ -127,8 +131,8 @@ class RowContexts:
         v: torch.Tensor,
     ) -> None:
         """Store new keys/values [rows, kv_heads, D] at positions[i] of context contexts[i]."""
-        self.keys[layer, contexts, :, positions] = k
-        self.values[layer, contexts, :, positions] = v
+        self.keys[layer, contexts, :, positions] = k.to(self.keys.dtype)
+        self.values[layer, contexts, :, positions] = v.to(self.values.dtype)
 
     def context(self, layer: int, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of contexts 0 .. rows - 1, positions 0 .. length - 1:
@@ -182,6 +186,8 @@ class RowContextAttention:
         rows, heads, dim = q.shape
         kv_heads = k.shape[1]
         keys, values = self.contexts.context(layer, rows, self.length)
+        # Contexts narrower than the queries (float16 beside float32) are read widened.
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         q = q.view(rows, kv_heads, heads // kv_heads, dim)
         scores = torch.matmul(q * dim**-0.5, keys.transpose(-1, -2)).float() + self.bias
         probs = torch.softmax(scores, dim=-1).to(values.dtype)

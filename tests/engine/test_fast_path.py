@@ -12,8 +12,9 @@ path on the same request (same seed, same noise, EOS off so the lengths match):
 Measured on the generated checkpoints (random weights) against the fp32 single path: the default
 on a CPU (int8 linear layers in the FlowLM and decoder transformers) 2.5e-4 relative RMS and
 0.10 dB mean / 0.20 dB worst frame at temperature 0.3, 5.6e-4 and 0.34 / 0.51 dB at 0 (full
-size); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both families); `dtype="bfloat16"` (bf16 FlowLM)
-9.4e-5 and <= 0.08 dB (full size, 0.3).
+size; with the AR rows' contexts in float16, four streams in a batch: 2.9-3.2e-4 and <= 0.14 dB
+mean at 0.3, 5.4-6.7e-4 and <= 0.40 / 0.50 dB at 0); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both
+families); `dtype="bfloat16"` (bf16 FlowLM) 9.4e-5 and <= 0.08 dB (full size, 0.3).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ def check_reduced_precision(engine: Engine) -> None:
     # The native decode attention reads float32 contexts; the bf16 KV pool attends in torch.
     native_attention = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
     assert engine.runner.native_row_attention == native_attention
+    half = precision.half_row_contexts and native_attention
+    contexts = engine.runner.row_contexts.keys.dtype
+    assert contexts == (torch.float16 if half else precision.flow_lm)
     flow_head = engine.model.flow_lm.flow_net
     bf16 = any(isinstance(m, Bf16Linear) for m in flow_head.modules())
     assert bf16 == precision.flow_head_bf16
@@ -192,6 +196,10 @@ def test_float32_is_one_option_away():
     assert resolve_precision("auto", "cpu").flow_lm_int8  # fbgemm's int8 GEMMs are CPU-only
     assert not resolve_precision("auto", "cuda").flow_lm_int8
     assert not exact.flow_head_bf16
+    assert not exact.half_row_contexts
+    # The AR rows' dense contexts in float16 on the CPU's fast path (the pool stays float32).
+    assert resolve_precision("auto", "cpu").half_row_contexts
+    assert not resolve_precision("auto", "cuda").half_row_contexts
     # bf16 where the CPU multiplies it natively; emulated it is far slower than float32.
     assert resolve_precision("auto", "cpu").flow_head_bf16 == native_bf16()
     assert resolve_precision("bfloat16", "cpu").flow_head_bf16

@@ -140,6 +140,35 @@ def test_the_kernel_refuses_other_layouts(ops: None) -> None:
         row_attention.attend(torch.randn(3, 3, 16), keys, values, lengths)
 
 
+def test_the_kernel_reads_float16_contexts_as_their_values(ops: None) -> None:
+    """Over float16 contexts the kernel gives what it gives over the same values in float32, and
+    refuses a head size its vector loop does not cover."""
+    gen = torch.Generator().manual_seed(3)
+    for heads, kv_heads, dim in ((4, 2, 64), (2, 2, 128)):
+        keys, values = torch.randn(2, 5, kv_heads, 40, dim, generator=gen).half()
+        q = torch.randn(5, heads, dim, generator=gen)
+        lengths = torch.tensor([1, 40, 17, 3, 33])
+        got = row_attention.attend(q, keys, values, lengths)
+        want = row_attention.attend(q, keys.float(), values.float(), lengths)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    keys = torch.randn(1, 1, 4, 12).half()
+    with pytest.raises(ValueError, match="head size"):
+        row_attention.attend(torch.randn(1, 1, 12), keys, keys, torch.tensor([2]))
+    with pytest.raises(TypeError):
+        row_attention.attend(torch.randn(1, 1, 12), keys, keys.float(), torch.tensor([2]))
+
+
+def test_store_rounds_into_float16_as_torch_does(ops: None) -> None:
+    contexts = torch.zeros(3, 2, 10, 64, dtype=torch.float16)
+    new = torch.randn(2, 2, 64) * 100
+    # Context 1's position 3, context 0's position 7.
+    offsets = torch.tensor([1 * 2 * 10 * 64 + 3 * 64, 7 * 64])
+    row_attention.store(new, contexts, offsets)
+    assert torch.equal(contexts[1, :, 3], new[0].half())
+    assert torch.equal(contexts[0, :, 7], new[1].half())
+    assert int((contexts != 0).sum()) == int((new.half() != 0).sum())
+
+
 def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
     """On by default on a CPU where a C++ compiler works: the AR attention's operators and the
     decoder's; False keeps torch's paths for both."""

@@ -167,6 +167,43 @@ def test_row_contexts_with_grouped_query_attention(kv_heads: int, native_attenti
         assert torch.equal(pool.keys, old_pool.keys)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 8])
+@torch.no_grad()
+def test_float16_contexts_attend_over_their_rounded_keys_and_values(
+    kv_heads: int, native_attention: bool
+) -> None:
+    """Contexts in float16 (the CPU fast path's) hold the pool's keys and values rounded to it,
+    the pool stays float32, and a step over them gives the float32 step over those rounded
+    values, both ways a step attends; they take half the memory."""
+    heads, dim, layers = 8, 64, 2
+    gen = torch.Generator().manual_seed(20 + kv_heads)
+    pool = KVPool(layers, 96, kv_heads, dim)
+    pool.keys.normal_(generator=gen)
+    pool.values.normal_(generator=gen)
+    rounded = clone_pool(pool)
+    rounded.keys.copy_(pool.keys.half())
+    rounded.values.copy_(pool.values.half())
+    order = torch.randperm(96, generator=gen)
+    steps = [
+        SequenceStep(order[a : a + n], 1) for a, n in zip([0, 30, 70], [9, 30, 2], strict=True)
+    ]
+    half, exact = RowContexts(pool, dtype=torch.float16), RowContexts(rounded)
+    for layer in range(layers):
+        q = torch.randn(len(steps), heads, dim, generator=gen)
+        k, v = torch.randn(2, len(steps), kv_heads, dim, generator=gen)
+        native = native_attention
+        rows, _, attention = plan_row_context_step(half, steps, list(steps), native=native)
+        want_rows, _, want_attention = plan_row_context_step(exact, steps, list(steps))
+        assert rows == want_rows
+        got = attention.attend(layer, q[rows], k[rows], v[rows])
+        want = want_attention.attend(layer, q[rows], k[rows].half().float(), v[rows].half().float())
+        assert_relative(got, want, rtol=1e-6)
+        for row in rows:  # the pool keeps the new keys exactly
+            assert torch.equal(pool.keys[layer, :, steps[row].slots[-1]], k[row])
+    assert half.keys.dtype == torch.float16
+    assert half.nbytes * 2 == exact.nbytes
+
+
 @torch.no_grad()
 def test_reserved_contexts_stay_put_and_hide_memory_never_written(native_attention: bool) -> None:
     """Contexts reserved for every row do not move when a step has more rows or longer contexts
