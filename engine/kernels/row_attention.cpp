@@ -119,7 +119,8 @@ void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
   const int64_t vectors = dim / LANES;
   for (int64_t j = 0; j < group; j++) {
     floats qv[HEAD_VECTORS];
-    for (int64_t c = 0; c < vectors; c++) std::memcpy(&qv[c], q + j * dim + c * LANES, sizeof(floats));
+    for (int64_t c = 0; c < vectors; c++)
+      std::memcpy(&qv[c], q + j * dim + c * LANES, sizeof(floats));
     float top = -3.4e38f;
     for (int64_t t = 0; t < length; t++) {
       const half* kt = k + t * dim;
