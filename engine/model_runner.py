@@ -45,6 +45,7 @@ from intone.engine.kernels.row_contexts import (
 from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import (
+    KVPool,
     SequenceAttention,
     SequenceStep,
     SlotAttention,
@@ -587,13 +588,7 @@ class ModelRunner:
         zeros = torch.zeros(1, self.flow_lm.latent_dim, device=self.device)
         first = torch.zeros(1, dtype=torch.long, device=self.device)
         generate = GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], first, 1, first)
-        prompt = SequenceStep(torch.arange(2), 2)
-        positions, packed = plan_step(pool, [prompt], upload=self.io.upload)
-        assert isinstance(packed, VarlenAttention)
-        prompts = torch.zeros(2, self.bos_input.shape[-1], device=self.device)
-        prefill = PrefillInputs(
-            prompts, positions, packed.as_one_sequence(), first + 1, zeros, zeros[:, 0]
-        )
+        prefill = self._scratch_prompt_pass(pool, range(1), prompt=2, context=0, as_one=True)
         for name, call in (
             ("AR step", lambda: self.generate_step(generate, trace_now=True)),
             ("prompt pass", lambda: self.prefill_step(prefill, trace_now=True)),
@@ -613,29 +608,13 @@ class ModelRunner:
         ms packed against 9.7 split (in the engine at c=64, prompt passes 6.3-7.4 -> 4.9-5.6 ms
         a sequence), full size 74 against 90 (bench/results/cpu-2core-xeon-amx-2026-12-07)."""
         count, prompt, context = 2 * TRACED_PROMPT_SEQUENCES, 4, 12
-        length = context + prompt
-        pool = self.flow_lm.new_kv_pool(count * length, device=self.device)
-        width = self.bos_input.shape[-1]
-        zeros = torch.zeros(count, self.flow_lm.latent_dim, device=self.device)
-
-        def inputs(first: int, sequences: int, split: bool) -> PrefillInputs:
-            steps = [
-                SequenceStep(torch.arange(i * length, (i + 1) * length), prompt)
-                for i in range(first, first + sequences)
-            ]
-            positions, attention = plan_step(pool, steps, upload=self.io.upload)
-            if split:
-                assert isinstance(attention, VarlenAttention)
-                attention = attention.as_one_sequence()
-            last = self.io.upload(torch.arange(1, sequences + 1) * prompt - 1)
-            prompts = torch.zeros(sequences * prompt, width, device=self.device)
-            return PrefillInputs(
-                prompts, positions, attention, last, zeros[:sequences], zeros[:sequences, 0]
-            )
-
+        pool = self.flow_lm.new_kv_pool(count * (context + prompt), device=self.device)
         part = TRACED_PROMPT_SEQUENCES
-        packed = [inputs(0, count, split=False)]
-        split = [inputs(first, part, split=True) for first in range(0, count, part)]
+        packed = [self._scratch_prompt_pass(pool, range(count), prompt, context, as_one=False)]
+        split = [
+            self._scratch_prompt_pass(pool, range(first, first + part), prompt, context, True)
+            for first in range(0, count, part)
+        ]
 
         def best(passes: list[PrefillInputs]) -> float:
             times = []
@@ -658,6 +637,26 @@ class ModelRunner:
             split_s * 1e3,
         )
         return split_s < packed_s
+
+    def _scratch_prompt_pass(
+        self, pool: KVPool, sequences: range, prompt: int, context: int, as_one: bool
+    ) -> PrefillInputs:
+        """A prompt pass on a scratch `pool`: sequence i of `sequences` on slots from
+        i * (context + prompt), `prompt` new positions after `context`; zero prompts and noise;
+        packed, or as one sequence (`as_one`), the form a trace replays."""
+        length = context + prompt
+        steps = [
+            SequenceStep(torch.arange(i * length, (i + 1) * length), prompt) for i in sequences
+        ]
+        positions, attention = plan_step(pool, steps, upload=self.io.upload)
+        if as_one:
+            assert isinstance(attention, VarlenAttention)
+            attention = attention.as_one_sequence()
+        count = len(steps)
+        last = self.io.upload(torch.arange(1, count + 1) * prompt - 1)
+        zeros = torch.zeros(count, self.flow_lm.latent_dim, device=self.device)
+        prompts = torch.zeros(count * prompt, self.bos_input.shape[-1], device=self.device)
+        return PrefillInputs(prompts, positions, attention, last, zeros, zeros[:, 0])
 
     @torch.no_grad()
     def prepare_decoder_traces(self) -> None:
