@@ -262,10 +262,7 @@ class ARWorker:
                 done, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
                 first += done
                 if positions:
-                    scheduler = self.scheduler
-                    scheduler.prefill_position_s = running_mean(
-                        scheduler.prefill_position_s, seconds / positions
-                    )
+                    self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
             if first:
                 for request, _ in first:
                     request.prompt = None

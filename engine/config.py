@@ -23,10 +23,13 @@ PACING_MODES: tuple[PacingMode, ...] = ("yield", "hold", "off")
 # (`EngineConfig.max_prefill_rows_near_underrun`).
 URGENT_S = 0.5
 # And that pass is sized to end before the least-ahead of them runs out, less this much for the
-# AR step and decode call that must follow it, by the recent passes' seconds per prompt position
-# (`Scheduler.prefill_position_s`): at full size on a 2-core Zen 3, seven new streams' first
+# AR step and decode call that must follow it, by what recent passes cost
+# (`Scheduler.prompt_pass_cost`): at full size on a 2-core Zen 3, seven new streams' first
 # clauses took one pass of ~250 ms while a stream that had just started held 160 ms of audio.
 PREFILL_MARGIN_S = 0.1
+# How many recent prompt passes that cost is fitted to (`pass_cost.PromptPassCost`): a second or
+# two of them under load, so it follows the machine's speed.
+PASS_COST_MEMORY = 32
 # When a stream that holds a row takes AR steps (`PacingPolicy.need`): latents not yet decoded,
 # in decode calls' worth (`EngineConfig.max_decode_frames` each), past which it takes none, and
 # under which it is due; and the share of `lead_s` under which a paced stream is due. Bursts

@@ -17,10 +17,10 @@ Each iteration:
 2. every started clause that still needs its prompt pass joins one packed prefill (and then,
    in the engine, that iteration's AR step: a clause's second latent comes a step sooner), up to
    `max_prefill_tokens` positions; while a stream that plays is near an underrun, up to
-   `max_prefill_rows_near_underrun` clauses and the positions that the recent passes' speed
-   (`prefill_position_s`) says end the pass `PREFILL_MARGIN_S` before that stream runs out (one
-   clause at least), so that a burst of new streams is prefilled in parts with the playing
-   streams' AR steps between them;
+   `max_prefill_rows_near_underrun` clauses, and those that what recent passes cost
+   (`prompt_pass_cost`: a part per pass, per clause and per position, fitted to them) says end
+   the pass `PREFILL_MARGIN_S` before that stream runs out (one clause at least), so that a
+   burst of new streams is prefilled in parts with the playing streams' AR steps between them;
 3. AR steps come in bursts: once a prefill pass runs or some generating row is due for a step
    (`Need.NOW`), every generating row that may step (not `Need.NONE`) joins each AR step, until
    none may; then no step runs until a row is due again. An AR step's cost is mostly per step,
@@ -50,6 +50,7 @@ The scheduler changes its queues only through its own methods (`add`, `ready`, `
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
+from intone.engine.pass_cost import PromptPassCost
 from intone.engine.request import Draft, Ending, Phase, Request
 from intone.engine.voice_cache import VoiceCache, VoicePrefix
 
@@ -125,9 +127,8 @@ class Scheduler:
         # Voice prompt pages: a stream's voice is resident from `Engine.stream` to `finish`.
         self.voices = voices if voices is not None else VoiceCache(blocks, runner, 0)
         self.bursting = False  # the last batch had an AR step: rows step on while they may
-        # Seconds per prompt position of recent prefill passes (the AR stage measures them);
-        # None before the first.
-        self.prefill_position_s: float | None = None
+        # What recent prompt passes cost (the AR stage measures them).
+        self.prompt_pass_cost = PromptPassCost()
 
     @classmethod
     def from_config(
@@ -490,23 +491,7 @@ class Scheduler:
         prompts = [r for r in prompts if r not in spare_prompts]
         if not (prompts or due or bursting):
             prompts = spare_prompts
-        prefill, tokens = [], 0
-        most, positions = self.max_active, self.max_prefill_tokens
-        least = URGENT_S  # the least lead of a stream that plays, where prompts wait
-        if prompts:
-            playing = (r for r in self.running if r.phase is Phase.GENERATING)
-            least = min((pacing.lead(r, t) for r in playing), default=URGENT_S)
-        if least < URGENT_S:
-            most = self.max_prefill_rows_near_underrun
-            if self.prefill_position_s:
-                affordable = max(least - PREFILL_MARGIN_S, 0.0) / self.prefill_position_s
-                positions = min(positions, int(affordable))
-        for request in prompts:
-            size = 0 if request.prompt is None else request.prompt.shape[0]  # 0: `first_step`
-            if prefill and (tokens + size > positions or len(prefill) == most):
-                break
-            prefill.append(request)
-            tokens += size
+        prefill = self._prompt_pass(prompts, t) if prompts else []
         spare_pass = bool(prefill) and all(r in spare_prompts for r in prefill)
         if spare_pass or not (prefill or bursting or due):
             # No stream within lead_s needs this iteration: the spare rows step, and the rows
@@ -522,6 +507,40 @@ class Scheduler:
         if not (prefill or generate or self.waiting):
             drafts, endings = self.drafts()
         return Batch(prefill, generate, failed, parked, drafts, endings)
+
+    def _prompt_pass(self, prompts: list[Request], t: float) -> list[Request]:
+        """The clauses of this iteration's prompt pass, first come first served (step 2 of the
+        module doc): up to `max_prefill_tokens` positions; while a stream that plays is near an
+        underrun, at most `max_prefill_rows_near_underrun` clauses, and no more than end the
+        pass, by what recent passes cost, `PREFILL_MARGIN_S` before that stream runs out. One
+        clause at least."""
+        playing = (r for r in self.running if r.phase is Phase.GENERATING)
+        least = min((self.pacing.lead(r, t) for r in playing), default=math.inf)
+        prefill: list[Request] = []
+        prompted = positions = 0
+        for request in prompts:
+            size = 0 if request.prompt is None else request.prompt.shape[0]  # 0: `first_step`
+            if prefill and not self._pass_fits(
+                len(prefill) + 1, prompted + (size > 0), positions + size, least
+            ):
+                break
+            prefill.append(request)
+            prompted += size > 0
+            positions += size
+        return prefill
+
+    def _pass_fits(self, clauses: int, prompts: int, positions: int, least: float) -> bool:
+        """Whether a prompt pass of `clauses` clauses (`prompts` of them with a prompt to run,
+        the others prepared by an ending) and `positions` positions may run while the least-ahead
+        stream that plays has `least` seconds of audio ahead."""
+        if positions > self.max_prefill_tokens:
+            return False
+        if least >= URGENT_S:
+            return True
+        if clauses > self.max_prefill_rows_near_underrun:
+            return False
+        seconds = self.prompt_pass_cost.seconds(prompts, positions)
+        return seconds is None or seconds <= least - PREFILL_MARGIN_S
 
     def _padding(self, rows: int) -> int:
         """Rows a step of `rows` is padded with anyway (batch buckets): free for spare rows."""

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.config import AHEAD_OF_DECODER_CALLS, PacingMode
+from intone.engine.config import AHEAD_OF_DECODER_CALLS, PASS_COST_MEMORY, PacingMode
 from intone.engine.pacing import Need, PacingPolicy
+from intone.engine.pass_cost import PromptPassCost
 from intone.engine.playback import Playback
 from intone.engine.request import Phase, Request, RequestMetrics
 from intone.engine.scheduler import Scheduler
@@ -170,17 +171,57 @@ def prompted(name: str, positions: int) -> Request:
     return request
 
 
+def measured(per_pass: float, per_position: float) -> PromptPassCost:
+    """A prompt-pass cost fitted to passes of one clause of 10 and 40 positions that took
+    `per_pass` and `per_position` a position."""
+    cost = PromptPassCost()
+    for positions in (10, 40, 10, 40):
+        cost.observe(1, positions, per_pass + per_position * positions)
+    return cost
+
+
 def test_a_prefill_pass_beside_a_stream_near_an_underrun_ends_before_that_stream_runs_dry() -> None:
-    """While a stream that plays is near an underrun, a prefill pass takes the clauses that the
-    recent passes' seconds per position say end `PREFILL_MARGIN_S` before that stream's audio
-    runs out, one at least; with no stream near one, all that `max_prefill_tokens` allows."""
+    """While a stream that plays is near an underrun, a prefill pass takes the clauses that
+    recent passes' cost says end `PREFILL_MARGIN_S` before that stream's audio runs out, one at
+    least; with no stream near one, all that `max_prefill_tokens` allows."""
     sched = scheduler(policy("yield"))
     new = [prompted(f"new{i}", 40) for i in range(4)]
     sched.running = [stream("playing", 0.24), *new]  # 240 ms ahead of its listener
-    assert sched.schedule(0.0).prefill == new, "no speed measured yet: the row cap alone"
-    sched.prefill_position_s = 0.001  # 40 ms a clause; 240 - 100 ms affords three
+    assert sched.schedule(0.0).prefill == new, "no cost measured yet: the row cap alone"
+    sched.prompt_pass_cost = measured(0.0, 0.001)  # 40 ms a clause; 240 - 100 ms affords three
     assert sched.schedule(0.0).prefill == new[:3]
-    sched.prefill_position_s = 0.01  # 400 ms a clause: one, however late
+    sched.prompt_pass_cost = measured(0.0, 0.01)  # 400 ms a clause: one, however late
     assert sched.schedule(0.0).prefill == new[:1]
     sched.running = [stream("ahead", 0.8), *new]  # nobody near an underrun
     assert sched.schedule(0.0).prefill == new
+
+
+def test_a_prompt_pass_costs_a_part_per_pass_per_clause_and_per_position() -> None:
+    """A pass's seconds are fitted to the recent passes: per position alone while they all had
+    the same size, then per pass and per position, and per clause too once their clauses
+    differ (a small model's split passes: 5 ms a clause)."""
+    cost = PromptPassCost()
+    assert cost.seconds(1, 10) is None
+    cost.observe(1, 10, 0.030)
+    assert cost.seconds(1, 20) == pytest.approx(0.060)  # one size: 3 ms a position
+    cost.observe(1, 40, 0.060)
+    assert cost.seconds(1, 20) == pytest.approx(0.040)  # 20 ms a pass, 1 ms a position
+    assert cost.seconds(3, 20) == pytest.approx(0.040), "the clauses never varied"
+    for clauses, positions in ((4, 40), (8, 40), (8, 80)):
+        cost.observe(clauses, positions, 0.002 + 0.005 * clauses + 0.0001 * positions)
+    for _ in range(PASS_COST_MEMORY):  # only passes that vary in clauses and positions remain
+        for clauses, positions in ((1, 10), (4, 40), (8, 40), (8, 80)):
+            cost.observe(clauses, positions, 0.002 + 0.005 * clauses + 0.0001 * positions)
+    assert cost.terms == pytest.approx([0.002, 0.005, 0.0001])
+    assert cost.seconds(14, 182) == pytest.approx(0.002 + 0.070 + 0.0182)
+
+
+def test_a_pass_near_an_underrun_packs_what_its_part_per_pass_allows() -> None:
+    """18 ms a pass and 1 ms a position: four 10-position clauses end in 58 ms, within the 60
+    ms that a stream 160 ms ahead leaves; seconds per position alone (2.8 ms at 10 positions)
+    would have allowed two, and 18 ms a clause one."""
+    sched = scheduler(policy("yield"))
+    new = [prompted(f"new{i}", 10) for i in range(5)]
+    sched.running = [stream("playing", 0.16), *new]
+    sched.prompt_pass_cost = measured(0.018, 0.001)
+    assert sched.schedule(0.0).prefill == new[:4]
