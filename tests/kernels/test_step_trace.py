@@ -82,21 +82,31 @@ def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tens
 
 
 def prompt_pass(
-    runner: ModelRunner, sequences: list[tuple[int, int]], seed: int, as_one: bool = True
+    runner: ModelRunner,
+    sequences: list[tuple[int, int]],
+    seed: int,
+    as_one: bool = True,
+    shared: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """One packed prompt pass: per sequence, `prompt` new positions after `context` in the
-    pool, as one sequence (`as_one`) or as `plan_step` plans it."""
+    pool, as one sequence (`as_one`) or as `plan_step` plans it; every sequence's context
+    starts with the same `shared` slots (a voice's pages that streams share)."""
     generator = torch.Generator().manual_seed(seed)
-    total = sum(context + prompt for context, prompt in sequences)
-    slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[:total].split(
-        [context + prompt for context, prompt in sequences]
+    total = shared + sum(context + prompt for context, prompt in sequences)
+    voice, *slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[:total].split(
+        [shared] + [context + prompt for context, prompt in sequences]
     )
     prompts = [prompt for _, prompt in sequences]
-    steps = [SequenceStep(s, prompt) for s, prompt in zip(slots, prompts, strict=True)]
+    steps = [
+        SequenceStep(torch.cat([voice, s]), prompt)
+        for s, prompt in zip(slots, prompts, strict=True)
+    ]
     positions, attention = plan_step(runner.pool, steps)
     if as_one:
         attention = attention.as_one_sequence()
         assert isinstance(attention, SequenceAttention)
+        # The shared slots are read once.
+        assert attention.read_slots.shape[0] == total
     width = runner.bos_input.shape[-1]
     latent_dim = runner.flow_lm.latent_dim
     inputs = PrefillInputs(
@@ -147,15 +157,22 @@ def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
     engines: tuple[Engine, Engine],
 ) -> None:
     """The prompt pass's trace replays a pass of several sequences, each query masked to its own
-    sequence's keys: it gives what the eager packed pass (each sequence's attention on its own
-    keys) gives, latents, EOS flags and the keys and values written."""
+    sequence's keys, keys that several sequences share read once: it gives what the eager
+    packed pass (each sequence's attention on its own keys) gives, latents, EOS flags and the
+    keys and values written."""
     eager, traced = engines
     traces = traced.runner.ar_traces
     assert traces is not None
-    cases = [[(0, 2), (37, 3)], [(150, 31), (5, 9), (0, 2)], [(12, 4)] * 4]
-    for seed, sequences in enumerate(cases):
-        want = prompt_pass(eager.runner, sequences, seed, as_one=False)
-        got = prompt_pass(traced.runner, sequences, seed)
+    cases = [
+        ([(0, 2), (37, 3)], 0),
+        ([(150, 31), (5, 9), (0, 2)], 0),
+        ([(12, 4)] * 4, 0),
+        # Clauses of streams of one voice: its keys are read once, each query still sees them.
+        ([(3, 4), (0, 9), (20, 2)], 60),
+    ]
+    for seed, (sequences, shared) in enumerate(cases):
+        want = prompt_pass(eager.runner, sequences, seed, as_one=False, shared=shared)
+        got = prompt_pass(traced.runner, sequences, seed, shared=shared)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         got_pool, want_pool = traced.runner.pool, eager.runner.pool
