@@ -76,12 +76,13 @@ DECODE_SPLIT_ROWS = 4
 # `Engine.prepare_traces` has not: tracing costs what 20-40 eager calls do, so kinds called only
 # now and then stay eager.
 TRACE_AFTER_CALLS = 20
-# A prompt pass of up to this many sequences runs as one sequence with a block-diagonal mask
-# (`VarlenAttention.as_one_sequence`), which the prompt pass's trace replays: eager, a packed
-# pass runs every operator through Python, taking the GIL from the threads beside it. Its
-# attention then reads every sequence's keys; beyond four sequences that costs more than the trace
-# saves (bench/results/cpu-2core-xeon-amx-2026-12-07/). A bigger pass runs eagerly, or as traced
-# passes of up to this many where that was timed faster (`ModelRunner.split_prompt_passes`).
+# A prompt pass of up to this many sequences runs as one sequence, each query masked to its own
+# sequence's keys (`VarlenAttention.as_one_sequence`), which the prompt pass's trace replays:
+# eager, a packed pass runs every operator through Python, taking the GIL from the threads beside
+# it. Its attention then scores every query against every sequence's keys; beyond four sequences
+# that costs more than the trace saves (bench/results/cpu-2core-xeon-amx-2026-12-07/). A bigger
+# pass runs eagerly, or as traced passes of up to this many where that was timed faster
+# (`ModelRunner.split_prompt_passes`).
 TRACED_PROMPT_SEQUENCES = 4
 
 # ---- each AR row's context kept dense (engine/model_runner.py, `RowContexts`)
