@@ -99,7 +99,7 @@ class Engine:
             keep_freed_memory()
         budget = set_torch_threads(config.torch_threads)
         precision = resolve_precision(config.dtype, config.device)
-        self.model = serving_model(loaded.model, self.device, precision)
+        self.model = serving_model(loaded.model, self.device, precision, config.native_kernels)
         self.blocks = BlockManager(kv_pages(self.model, config), config.page_size)
         make_runner = partial(
             ModelRunner.from_config,

@@ -170,8 +170,8 @@ def test_store_rounds_into_float16_as_torch_does(ops: None) -> None:
 
 
 def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
-    """On by default on a CPU where a C++ compiler works: the AR attention's operators and the
-    decoder's; False keeps torch's paths for both."""
+    """On by default on a CPU where a C++ compiler works: the AR attention's operators, the
+    decoder's and the int8 FlowLM's GELU; False keeps torch's paths for all."""
     loaded = load_model(tiny_checkpoint)
     for enabled in (True, False):
         engine = Engine(loaded, EngineConfig(native_kernels=enabled))
@@ -179,10 +179,14 @@ def test_native_kernels_is_the_switch(tiny_checkpoint: Path) -> None:
             expected = enabled and native.cxx_compiler() is not None
             assert engine.runner.native_row_attention == expected
             assert engine.runner.decoder.native == expected
+            layers = engine.model.flow_lm.transformer.layers
+            assert all((layer.activation is decoder_ops.gelu_tanh) == expected for layer in layers)
         finally:
             engine.close()
-    # The model's own decoder transformer keeps torch's GELU: the operator is on a copy.
+    # The model's own transformers keep torch's GELU: the operator is on copies.
     for layer in loaded.model.mimi.decoder_transformer.transformer.layers:
+        assert layer.activation is not decoder_ops.gelu_tanh
+    for layer in loaded.model.flow_lm.transformer.layers:
         assert layer.activation is not decoder_ops.gelu_tanh
 
 
