@@ -77,7 +77,7 @@ DECODE_SPLIT_ROWS = 4
 # now and then stay eager.
 TRACE_AFTER_CALLS = 20
 # A prompt pass of up to this many sequences runs as one sequence, each query masked to its own
-# sequence's keys (`VarlenAttention.as_one_sequence`), which the prompt pass's trace replays:
+# sequence's keys (`kv_cache.plan_one_sequence`), which the prompt pass's trace replays:
 # eager, a packed pass runs every operator through Python, taking the GIL from the threads beside
 # it. Its attention then scores every query against every sequence's keys; beyond four sequences
 # that costs more than the trace saves (bench/results/cpu-2core-xeon-amx-2026-12-07/). A bigger

@@ -46,10 +46,11 @@ from intone.engine.models.pocket.conv import State
 from intone.engine.models.pocket.flow_head import draw_noise
 from intone.engine.models.pocket.kv_cache import (
     KVPool,
+    PagedSequence,
     SequenceAttention,
     SequenceStep,
     SlotAttention,
-    VarlenAttention,
+    plan_one_sequence,
     plan_step,
 )
 from intone.engine.models.pocket.model import PocketTTS
@@ -66,7 +67,7 @@ logger = logging.getLogger(__name__)
 class PrefillInputs:
     prompts: torch.Tensor  # [N, D]: each request's prompt, then its first AR step's BOS input
     positions: torch.Tensor
-    attention: SlotAttention | SequenceAttention  # the latter: `as_one_sequence`
+    attention: SlotAttention | SequenceAttention  # the latter: `plan_one_sequence`
     last: torch.Tensor  # [B]: each sequence's last row, its first AR step
     noise: torch.Tensor  # [B, latent_dim]
     eos_thresholds: torch.Tensor  # [B]
@@ -263,11 +264,16 @@ class ModelRunner:
     ) -> PrefillInputs:
         """One packed pass over `sequences`, each a table that already holds the positions its
         inputs [n, D] write: their last row's latent each."""
-        steps = [SequenceStep(self.blocks.slots(table), x.shape[0]) for table, x in sequences]
-        positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
-        if isinstance(attention, VarlenAttention) and len(steps) <= TRACED_PROMPT_SEQUENCES:
-            attention = attention.as_one_sequence()  # the same pass, and one a trace replays
-        ends = torch.tensor([step.num_new for step in steps]).cumsum(0)
+        attention: SlotAttention | SequenceAttention
+        if len(sequences) <= TRACED_PROMPT_SEQUENCES:  # the same pass, and one a trace replays
+            paged = [PagedSequence(table.pages, table.length, x.shape[0]) for table, x in sequences]
+            positions, attention = plan_one_sequence(
+                self.pool, paged, self.blocks.page_size, upload=self.io.upload
+            )
+        else:
+            steps = [SequenceStep(self.blocks.slots(table), x.shape[0]) for table, x in sequences]
+            positions, attention = plan_step(self.pool, steps, upload=self.io.upload)
+        ends = torch.tensor([x.shape[0] for _, x in sequences]).cumsum(0)
         return PrefillInputs(
             torch.cat([x for _, x in sequences]),
             positions,
@@ -576,7 +582,7 @@ class ModelRunner:
         that reaches `trace_after`, a stall of about 20 eager calls for that call's streams."""
         if self.ar_traces is None:
             return
-        pool = self.flow_lm.new_kv_pool(2, device=self.device)
+        pool = self._scratch_pool(1, 2)
         step = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
         _, positions, attention = plan_row_context_step(
             RowContexts(pool, 1, CONTEXT_RUN, self.row_contexts.keys.dtype),
@@ -608,7 +614,7 @@ class ModelRunner:
         ms packed against 9.7 split (in the engine at c=64, prompt passes 6.3-7.4 -> 4.9-5.6 ms
         a sequence), full size 74 against 90 (bench/results/cpu-2core-xeon-amx-2026-12-07)."""
         count, prompt, context = 2 * TRACED_PROMPT_SEQUENCES, 4, 12
-        pool = self.flow_lm.new_kv_pool(count * (context + prompt), device=self.device)
+        pool = self._scratch_pool(count, context + prompt)
         part = TRACED_PROMPT_SEQUENCES
         packed = [self._scratch_prompt_pass(pool, range(count), prompt, context, as_one=False)]
         split = [
@@ -638,21 +644,35 @@ class ModelRunner:
         )
         return split_s < packed_s
 
+    def _scratch_pool(self, sequences: int, length: int) -> KVPool:
+        """A pool for `sequences` scratch sequences of `length` positions, each on pages of its
+        own (`_scratch_prompt_pass`)."""
+        page_size = self.blocks.page_size
+        return self.flow_lm.new_kv_pool(
+            sequences * -(-length // page_size) * page_size, device=self.device
+        )
+
     def _scratch_prompt_pass(
         self, pool: KVPool, sequences: range, prompt: int, context: int, as_one: bool
     ) -> PrefillInputs:
-        """A prompt pass on a scratch `pool`: sequence i of `sequences` on slots from
-        i * (context + prompt), `prompt` new positions after `context`; zero prompts and noise;
-        packed, or as one sequence (`as_one`), the form a trace replays."""
+        """A prompt pass on a scratch `pool` (`_scratch_pool`): sequence i of
+        `sequences` on pages of its own, `prompt` new positions after `context`; zero prompts and
+        noise; packed, or as one sequence (`as_one`), the form a trace replays."""
         length = context + prompt
-        steps = [
-            SequenceStep(torch.arange(i * length, (i + 1) * length), prompt) for i in sequences
+        page_size = self.blocks.page_size
+        per = -(-length // page_size)  # pages a sequence takes
+        paged = [
+            PagedSequence(list(range(i * per, (i + 1) * per)), length, prompt) for i in sequences
         ]
-        positions, attention = plan_step(pool, steps, upload=self.io.upload)
+        attention: SlotAttention | SequenceAttention
         if as_one:
-            assert isinstance(attention, VarlenAttention)
-            attention = attention.as_one_sequence()
-        count = len(steps)
+            positions, attention = plan_one_sequence(pool, paged, page_size, upload=self.io.upload)
+        else:
+            steps = [
+                SequenceStep(torch.arange(length) + s.pages[0] * page_size, prompt) for s in paged
+            ]
+            positions, attention = plan_step(pool, steps, upload=self.io.upload)
+        count = len(paged)
         last = self.io.upload(torch.arange(1, count + 1) * prompt - 1)
         zeros = torch.zeros(count, self.flow_lm.latent_dim, device=self.device)
         prompts = torch.zeros(count * prompt, self.bos_input.shape[-1], device=self.device)

@@ -2,7 +2,7 @@
 trace, made on one scratch row, replays every step bit for bit, whatever its rows, their
 contexts' lengths and the contexts' reservation (which moves when a context outgrows it); a
 prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context,
-and a packed pass of a few sequences as one (`VarlenAttention.as_one_sequence`); a pass of more
+and a packed pass of a few sequences as one (`kv_cache.plan_one_sequence`); a pass of more
 sequences runs as traced parts of that many where that was timed faster
 (`ModelRunner.split_prompt_passes`)."""
 
@@ -21,7 +21,12 @@ from intone.engine.config import TRACED_PROMPT_SEQUENCES
 from intone.engine.kernels.row_contexts import NativeRowAttention, plan_row_context_step
 from intone.engine.loading import LoadedModel
 from intone.engine.model_runner import GenerateInputs, ModelRunner, PrefillInputs
-from intone.engine.models.pocket.kv_cache import SequenceAttention, SequenceStep, plan_step
+from intone.engine.models.pocket.kv_cache import (
+    PagedSequence,
+    SequenceStep,
+    plan_one_sequence,
+    plan_step,
+)
 
 
 @pytest.fixture
@@ -86,27 +91,36 @@ def prompt_pass(
     sequences: list[tuple[int, int]],
     seed: int,
     as_one: bool = True,
-    shared: int = 0,
+    shared_pages: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """One packed prompt pass: per sequence, `prompt` new positions after `context` in the
-    pool, as one sequence (`as_one`) or as `plan_step` plans it; every sequence's context
-    starts with the same `shared` slots (a voice's pages that streams share)."""
+    """One packed prompt pass: per sequence, `prompt` new positions after `context` on pages of
+    the pool drawn at random, as one sequence (`as_one`) or as `plan_step` plans it; every
+    sequence's context starts with the same `shared_pages` pages (a voice's, as streams share
+    them)."""
     generator = torch.Generator().manual_seed(seed)
-    total = shared + sum(context + prompt for context, prompt in sequences)
-    voice, *slots = torch.randperm(runner.pool.num_slots - 1, generator=generator)[:total].split(
-        [shared] + [context + prompt for context, prompt in sequences]
-    )
-    prompts = [prompt for _, prompt in sequences]
-    steps = [
-        SequenceStep(torch.cat([voice, s]), prompt)
-        for s, prompt in zip(slots, prompts, strict=True)
-    ]
-    positions, attention = plan_step(runner.pool, steps)
+    page_size = runner.blocks.page_size
+    own = [-(-(context + prompt) // page_size) for context, prompt in sequences]
+    drawn = torch.randperm(runner.blocks.num_pages, generator=generator)
+    voice, rest = drawn[:shared_pages].tolist(), drawn[shared_pages:].tolist()
+    paged = []
+    for (context, prompt), count in zip(sequences, own, strict=True):
+        pages, rest = voice + rest[:count], rest[count:]
+        paged.append(PagedSequence(pages, shared_pages * page_size + context + prompt, prompt))
     if as_one:
-        attention = attention.as_one_sequence()
-        assert isinstance(attention, SequenceAttention)
-        # The shared slots are read once.
-        assert attention.read_slots.shape[0] == total
+        positions, attention = plan_one_sequence(runner.pool, paged, page_size)
+        # A page several sequences use is read once.
+        assert attention.read_slots.shape[0] == (shared_pages + sum(own)) * page_size
+    else:
+        offsets = torch.arange(page_size)
+        steps = [
+            SequenceStep(
+                (torch.tensor(s.pages)[:, None] * page_size + offsets).view(-1)[: s.length],
+                s.num_new,
+            )
+            for s in paged
+        ]
+        positions, attention = plan_step(runner.pool, steps)
+    prompts = [prompt for _, prompt in sequences]
     width = runner.bos_input.shape[-1]
     latent_dim = runner.flow_lm.latent_dim
     inputs = PrefillInputs(
@@ -168,11 +182,11 @@ def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
         ([(150, 31), (5, 9), (0, 2)], 0),
         ([(12, 4)] * 4, 0),
         # Clauses of streams of one voice: its keys are read once, each query still sees them.
-        ([(3, 4), (0, 9), (20, 2)], 60),
+        ([(3, 4), (0, 9), (20, 2)], 4),
     ]
-    for seed, (sequences, shared) in enumerate(cases):
-        want = prompt_pass(eager.runner, sequences, seed, as_one=False, shared=shared)
-        got = prompt_pass(traced.runner, sequences, seed, shared=shared)
+    for seed, (sequences, shared_pages) in enumerate(cases):
+        want = prompt_pass(eager.runner, sequences, seed, as_one=False, shared_pages=shared_pages)
+        got = prompt_pass(traced.runner, sequences, seed, shared_pages=shared_pages)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         got_pool, want_pool = traced.runner.pool, eager.runner.pool

@@ -12,6 +12,7 @@ num_heads a multiple of num_kv_heads): query head h reads KV head h // (num_head
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Self
@@ -197,24 +198,10 @@ class VarlenAttention:
         ]
         return torch.cat(outputs).reshape(q.shape)
 
-    def as_one_sequence(self) -> SequenceAttention:
-        """The same pass as one `SequenceAttention`, which a trace replays: the sequences' keys
-        side by side, each once, each query masked to its own sequence's. Its attention scores N
-        x U pairs, U the distinct slots the sequences read, where theirs alone are sum(n_i x
-        L_i): the sequences of streams of one voice share its pages, read once here (four
-        full-size clauses on a 150-position voice: U 230 against sum(L_i) 680)."""
-        slots, where = torch.unique(torch.cat(self.read_slots), return_inverse=True)
-        visible = torch.block_diag(*(bias == 0 for bias in self.biases))
-        seen = torch.zeros(visible.shape[0], slots.shape[0], device=visible.device)
-        seen.index_add_(1, where, visible.float())
-        bias = torch.zeros(seen.shape, device=seen.device)
-        bias.masked_fill_(seen == 0, float("-inf"))
-        return SequenceAttention(self.pool.keys, self.pool.values, self.write_slots, slots, bias)
-
 
 @dataclass
 class SequenceAttention(TensorFields):
-    """`VarlenAttention` as one sequence (`as_one_sequence`), tensors only (implements
+    """A packed pass as one sequence (`plan_one_sequence`), tensors only (implements
     `KVCache`): no size reaches it but as a tensor's shape, so a pass through it can be replayed
     as a trace for any prompts and context lengths, with these as the trace's inputs (`tensors`,
     `from_tensors`)."""
@@ -280,6 +267,64 @@ def plan_step(
             [s.num_new for s in steps],
             biases,
         )
+    return to_device(positions), attention
+
+
+@dataclass
+class PagedSequence:
+    """One sequence of a packed prompt pass by its pages: its positions fill `pages`
+    (`page_size` slots each) in order, `length` of them, the last `num_new` computed in the pass.
+    Sequences of streams of one voice share its pages."""
+
+    pages: list[int]
+    length: int
+    num_new: int
+
+
+def plan_one_sequence(
+    pool: KVPool, sequences: list[PagedSequence], page_size: int, upload: Upload | None = None
+) -> tuple[torch.Tensor, SequenceAttention]:
+    """A packed prompt pass as one `SequenceAttention`, the form a trace replays: the keys of
+    every page the sequences use side by side, each page once, each query masked to its own
+    sequence's positions (causally). Its attention scores N x U pairs, U the slots of the
+    distinct pages, where a sequence at a time scores sum(n_i x L_i); the clauses of streams of
+    one voice share its pages, read once here (four full-size clauses on a 150-position voice:
+    U ~230 against sum(L_i) 680). Planned on the host from the page lists, every shape known
+    before any data (the GPU path reads nothing back: tests/test_fake_cuda.py)."""
+    to_device = upload or _to(pool.keys.device)
+    offsets = torch.arange(page_size)
+
+    def slots_of(pages: list[int]) -> torch.Tensor:
+        return (torch.tensor(pages, dtype=torch.long)[:, None] * page_size + offsets).view(-1)
+
+    used = [s.pages[: -(-s.length // page_size)] for s in sequences]
+    distinct = list(dict.fromkeys(page for pages in used for page in pages))
+    column = {page: i for i, page in enumerate(distinct)}
+    bias = torch.full((sum(s.num_new for s in sequences), len(distinct) * page_size), -math.inf)
+    row = 0
+    for s, pages in zip(sequences, used, strict=True):
+        keys = slots_of([column[page] for page in pages])[: s.length]  # its positions' columns
+        # Query r (position length - num_new + r) sees positions 0 .. length - num_new + r.
+        queries = torch.arange(s.length - s.num_new, s.length)
+        hidden = torch.arange(s.length)[None, :] > queries[:, None]
+        bias[row : row + s.num_new, keys] = torch.zeros(hidden.shape).masked_fill_(
+            hidden, -math.inf
+        )
+        row += s.num_new
+    write_slots = torch.cat(
+        [
+            slots_of(pages)[s.length - s.num_new : s.length]
+            for s, pages in zip(sequences, used, strict=True)
+        ]
+    )
+    positions = torch.cat([torch.arange(s.length - s.num_new, s.length) for s in sequences])
+    attention = SequenceAttention(
+        pool.keys,
+        pool.values,
+        to_device(write_slots),
+        to_device(slots_of(distinct)),
+        to_device(bias),
+    )
     return to_device(positions), attention
 
 
