@@ -526,16 +526,18 @@ async def drafts_written(stream: Stream) -> None:
             await asyncio.sleep(0.002)
 
 
-async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarray, int]:
+async def drafted_turn(engine: Engine, words: str, rest: str) -> tuple[np.ndarray, int, bool]:
     """`words` pushed a word at a time, each drafted before the next comes, then `rest`, which
-    ends the first clause: the audio and how many of its tokens the draft had prefilled."""
+    ends the first clause: the audio, how many of its tokens the draft had prefilled, and
+    whether the clause's first step was prepared with them (`Ending`)."""
     stream = engine.stream(None, ONE_CLAUSE)
     for token in llm_tokens(words):
         stream.push_text(token)
         await drafts_written(stream)
     stream.push_text(rest)
     stream.end_input()
-    return await spoken(stream), stream.metrics.draft_tokens
+    audio = await spoken(stream)
+    return audio, stream.metrics.draft_tokens, stream.metrics.first_step_prepared
 
 
 async def said_at_once(
@@ -553,12 +555,16 @@ async def test_a_drafted_first_clause_says_what_it_would_have_said(make_engine):
     engine = make_engine(second_voice=False, lead_s=None)
     pages = engine.blocks.pages_in_use
     words, rest = " I checked with our", " warehouse team."
-    drafted, reused = await drafted_turn(engine, words, rest)
+    drafted, reused, prepared = await drafted_turn(engine, words, rest)
     at_once = await said_at_once(engine, words + rest)
     assert drafted.shape == at_once.shape
     np.testing.assert_allclose(drafted, at_once, rtol=0, atol=1e-6)
     tokens = plan_clause(engine.loaded, (words + rest).strip(), options()).tokens
-    assert 0 < reused < len(tokens)
+    # The clause's own pass wrote what the draft had not, on the draft's first tokens; or, where
+    # the AR thread took the whole text's draft before the cut reached it (a race with the
+    # event loop), its ending pass did, on the same tokens, and prepared the first step.
+    assert 0 < reused <= len(tokens)
+    assert (reused == len(tokens)) == prepared
     assert engine.blocks.pages_in_use == pages  # the draft's pages went back with the stream
 
 
