@@ -238,9 +238,7 @@ def plan_step(
     """
     to_device = upload or _to(pool.keys.device)
     lengths = [len(s.slots) for s in steps]
-    positions = torch.cat(
-        [torch.arange(n - s.num_new, n) for s, n in zip(steps, lengths, strict=True)]
-    )
+    positions = _new_positions(lengths, [s.num_new for s in steps])
     write_slots = to_device(torch.cat([s.slots[len(s.slots) - s.num_new :] for s in steps]))
     if all(s.num_new == 1 for s in steps):
         longest = -(-max(lengths) // key_multiple) * key_multiple
@@ -254,20 +252,28 @@ def plan_step(
             pool, write_slots, to_device(read_slots), to_device(bias[None, :, None, None])
         )
     else:
-        biases = []
-        for s, n in zip(steps, lengths, strict=True):
-            # Query r (position n - num_new + r) sees keys 0 .. n - num_new + r.
-            query_pos = torch.arange(n - s.num_new, n)
-            hidden = torch.arange(n)[None, :] > query_pos[:, None]
-            biases.append(to_device(torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))))
         attention = VarlenAttention(
             pool,
             write_slots,
             [to_device(s.slots) for s in steps],
             [s.num_new for s in steps],
-            biases,
+            [to_device(_causal_bias(n, s.num_new)) for s, n in zip(steps, lengths, strict=True)],
         )
     return to_device(positions), attention
+
+
+def _new_positions(lengths: list[int], num_new: list[int]) -> torch.Tensor:
+    """[sum(num_new)]: the positions each sequence computes in a step, its last `num_new` of
+    `length`, sequence after sequence."""
+    return torch.cat([torch.arange(n - k, n) for n, k in zip(lengths, num_new, strict=True)])
+
+
+def _causal_bias(length: int, num_new: int) -> torch.Tensor:
+    """[num_new, length]: query r (position length - num_new + r) sees positions 0 .. its own
+    (0), not the later ones (-inf)."""
+    queries = torch.arange(length - num_new, length)
+    hidden = torch.arange(length)[None, :] > queries[:, None]
+    return torch.zeros(hidden.shape).masked_fill_(hidden, -math.inf)
 
 
 @dataclass
@@ -304,12 +310,7 @@ def plan_one_sequence(
     row = 0
     for s, pages in zip(sequences, used, strict=True):
         keys = slots_of([column[page] for page in pages])[: s.length]  # its positions' columns
-        # Query r (position length - num_new + r) sees positions 0 .. length - num_new + r.
-        queries = torch.arange(s.length - s.num_new, s.length)
-        hidden = torch.arange(s.length)[None, :] > queries[:, None]
-        bias[row : row + s.num_new, keys] = torch.zeros(hidden.shape).masked_fill_(
-            hidden, -math.inf
-        )
+        bias[row : row + s.num_new, keys] = _causal_bias(s.length, s.num_new)
         row += s.num_new
     write_slots = torch.cat(
         [
@@ -317,7 +318,7 @@ def plan_one_sequence(
             for s, pages in zip(sequences, used, strict=True)
         ]
     )
-    positions = torch.cat([torch.arange(s.length - s.num_new, s.length) for s in sequences])
+    positions = _new_positions([s.length for s in sequences], [s.num_new for s in sequences])
     attention = SequenceAttention(
         pool.keys,
         pool.values,
