@@ -7,7 +7,8 @@
 - "auto" (default): the fastest mix that holds the fast path's tolerance (docs/benchmarks.md) on
   this device. On a CPU: the linear layers of the FlowLM transformer and of the Mimi decoder
   transformer in int8 (fbgemm, `kernels/int8.py`: 4x a float32 GEMM at decode-step row
-  counts on AVX2; the reference's `quantize=True` does the same to the FlowLM), and that
+  counts on AVX2; the reference's `quantize=True` does the same to the FlowLM; where the CPU has
+  AMX, oneDNN's kernel for layers 1024 wide or more, faster from ~16 rows), and that
   FlowLM copy's tanh GELU through the decoder's operator (`native_kernels`); where the CPU
   multiplies bf16 natively (AVX-512 BF16 or AMX), the flow head's linear layers in bf16
   (`kernels/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);

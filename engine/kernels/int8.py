@@ -1,9 +1,17 @@
-"""int8 linear layers for the CPU: fbgemm's packed int8 GEMM with dynamically quantized activations.
+"""int8 linear layers for the CPU: a packed int8 GEMM with dynamically quantized activations.
 
 At the row counts of a decode step (1-64 rows) a float32 GEMM on a CPU is bound by reading its
 weights and runs far below peak; fbgemm's int8 GEMM reads a quarter of the bytes and does four
 times the work per instruction. Measured on an AVX2 core (1024 x 4096 weights, one thread):
 0.18 vs 0.51 ms for 1 row, 0.93 vs 3.9 ms for 16, 3.6 vs 8.5 ms for 64.
+
+Where the CPU has AMX, oneDNN's int8 GEMM (the same quantized operators, packed by torch's
+"onednn" engine) runs the large layers on the tile unit: full size on one Xeon core, 1024 x 4096
+weights at 40 / 80 rows 0.49 / 0.59 ms against fbgemm's 0.76 / 1.41, and in the engine an AR step
+of 16 rows 25-26 ms against 28-29, a prompt pass of 40 positions 26 against 31-32 (of four
+clauses of 20, 40-43 against 52-56). It costs more per call, so small layers keep fbgemm: the 2M
+model's AR step of 16 rows took 4.4-4.7 ms with oneDNN against 2.8-2.9
+(bench/results/cpu-2core-xeon-amx-2026-12-07).
 
 This is what the reference package's `quantize=True` does (`pocket_tts.quantization`: the
 FlowLM transformer's attention and feed-forward linears, the flow head left in float32), with
@@ -14,8 +22,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import warnings
-from typing import TypeVar
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
@@ -26,30 +37,62 @@ logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=nn.Module)
 
+Kernel = Literal["fbgemm", "onednn"]
+
+# oneDNN pays for its cost per call on layers whose sides are both at least this (full size's
+# 1024-wide FlowLM); the 2M model's and the Mimi decoder's are smaller.
+ONEDNN_MIN_SIDE = 1024
+
+# torch's quantized engine, which decides how `linear_prepack` packs, is one setting per process.
+_engine_lock = threading.Lock()
+
+
+def kernel_for(linear: nn.Linear) -> Kernel:
+    """oneDNN for a large layer on a CPU with AMX, fbgemm elsewhere."""
+    large = min(linear.in_features, linear.out_features) >= ONEDNN_MIN_SIDE
+    onednn = "onednn" in torch.backends.quantized.supported_engines
+    return "onednn" if large and onednn and torch.cpu._is_amx_tile_supported() else "fbgemm"
+
+
+@contextmanager
+def _quantized_engine(kernel: Kernel) -> Iterator[None]:
+    with _engine_lock:
+        before = torch.backends.quantized.engine
+        torch.backends.quantized.engine = kernel
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = before
+
 
 class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights (per output channel) and dynamically quantized
-    int8 activations (per call), through fbgemm."""
+    int8 activations (per call), through `kernel` (`kernel_for`'s choice by default)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel: Kernel | None = None):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("Int8Linear: linear layers with a bias are not supported")
+        self.kernel = kernel or kernel_for(linear)
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():
-            # torch marks its quantized tensor types deprecated; fbgemm's packed int8 GEMM is
-            # still the fast int8 matmul on x86 CPUs (`torch._int_mm` runs a slow reference loop).
+            # torch marks its quantized tensor types deprecated; fbgemm's and oneDNN's packed
+            # int8 GEMMs are still the fast int8 matmuls on x86 CPUs (`torch._int_mm` runs a slow
+            # reference loop).
             warnings.simplefilter("ignore", UserWarning)
             quantized = torch.quantize_per_channel(weight, scale, zero, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        with _quantized_engine(self.kernel):
+            self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+        # fbgemm: 7-bit activations, so its AVX2 u8 x s8 products cannot saturate. oneDNN
+        # compensates for that itself, and its activations keep all 8 bits.
+        self.reduce_range = self.kernel == "fbgemm"
         self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        # reduce_range: 7-bit activations, so fbgemm's AVX2 u8 x s8 products cannot saturate.
-        y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+        y = torch.ops.quantized.linear_dynamic(flat, self.packed, self.reduce_range)
         return y.view(*x.shape[:-1], self.out_features)
 
 

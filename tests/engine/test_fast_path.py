@@ -13,7 +13,8 @@ Measured on the generated checkpoints (random weights) against the fp32 single p
 on a CPU (int8 linear layers in the FlowLM and decoder transformers) 2.5e-4 relative RMS and
 0.10 dB mean / 0.20 dB worst frame at temperature 0.3, 5.6e-4 and 0.34 / 0.51 dB at 0 (full
 size; with the AR rows' contexts in float16, four streams in a batch: 2.9-3.2e-4 and <= 0.14 dB
-mean at 0.3, 5.4-6.7e-4 and <= 0.40 / 0.50 dB at 0); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both
+mean at 0.3, 5.4-6.7e-4 and <= 0.40 / 0.50 dB at 0; with oneDNN's int8 on a Xeon with AMX,
+2.2e-4 and <= 0.10 dB mean at 0.3, 3.7-4.2e-4 and <= 0.26 / 0.43 dB at 0); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both
 families); `dtype="bfloat16"` (bf16 FlowLM) 9.4e-5 and <= 0.08 dB (full size, 0.3).
 """
 
@@ -32,7 +33,7 @@ from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.kernels import native
 from intone.engine.kernels.bf16 import Bf16Linear
-from intone.engine.kernels.int8 import Int8Linear
+from intone.engine.kernels.int8 import ONEDNN_MIN_SIDE, Int8Linear, kernel_for
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.precision import native_bf16, resolve_precision
 from intone.engine.text import split_clauses
@@ -226,6 +227,46 @@ def test_bf16_linear_is_a_bf16_product_in_a_float32_layer():
     exact = linear(x).detach()
     rel = float((ours - exact).norm() / exact.norm())
     assert 0 < rel < 1e-2  # bf16's 8-bit mantissa: close, not exact
+
+
+INT8_KERNELS = [
+    pytest.param(
+        kernel,
+        marks=pytest.mark.skipif(
+            kernel not in torch.backends.quantized.supported_engines, reason=f"torch lacks {kernel}"
+        ),
+    )
+    for kernel in ("fbgemm", "onednn")
+]
+
+
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_linear_is_an_int8_product_through_either_kernel(kernel: str):
+    """Each kernel's packing and activation range (oneDNN's full 8 bits, fbgemm's 7) give an int8
+    product of the layer at every row count, in a trace replayed at other row counts too."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(ONEDNN_MIN_SIDE, 96, bias=False)
+    layer = Int8Linear(linear, kernel)
+    assert layer.kernel == kernel
+    traced = torch.jit.trace(layer, torch.randn(3, ONEDNN_MIN_SIDE))
+    for rows in (1, 16, 80):
+        x = torch.randn(rows, ONEDNN_MIN_SIDE)
+        exact = linear(x).detach()
+        ours = layer(x)
+        rel = float((ours - exact).norm() / exact.norm())
+        assert 0 < rel < 3e-2, f"{kernel}, {rows} rows: relative error {rel:.2e}"
+        assert torch.equal(traced(x), ours)
+
+
+def test_only_large_layers_take_onednn():
+    small = torch.nn.Linear(512, 2048, bias=False)  # the Mimi decoder's feed-forward
+    large = torch.nn.Linear(ONEDNN_MIN_SIDE, 4 * ONEDNN_MIN_SIDE, bias=False)
+    assert kernel_for(small) == "fbgemm"
+    amx = torch.cpu._is_amx_tile_supported()
+    assert kernel_for(large) == ("onednn" if amx else "fbgemm")
+    before = torch.backends.quantized.engine
+    Int8Linear(large, "onednn" if "onednn" in torch.backends.quantized.supported_engines else None)
+    assert torch.backends.quantized.engine == before  # a process-wide setting, put back
 
 
 def test_engine_converts_a_copy_of_the_flow_head(tiny_checkpoint: Path):
