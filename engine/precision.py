@@ -8,7 +8,8 @@
   this device. On a CPU: the linear layers of the FlowLM transformer and of the Mimi decoder
   transformer in int8 (fbgemm, `kernels/int8.py`: 4x a float32 GEMM at decode-step row
   counts on AVX2; the reference's `quantize=True` does the same to the FlowLM; where the CPU has
-  AMX, oneDNN's kernel for layers 1024 wide or more, faster from ~16 rows), and that
+  AMX, oneDNN's kernel where a layer's calls carry enough rows: the full-size FlowLM, the Mimi
+  decoder), and that
   FlowLM copy's tanh GELU through the decoder's operator (`native_kernels`); where the CPU
   multiplies bf16 natively (AVX-512 BF16 or AMX), the flow head's linear layers in bf16
   (`kernels/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);
@@ -125,7 +126,8 @@ def serving_model(
             served.flow_lm.transformer.to(precision.flow_lm)
     if precision.flow_lm_int8:
         transformer = shared.transformer
-        quantized = int8_linears(transformer)
+        # Rows an AR step carries under load (a prompt pass, more).
+        quantized = int8_linears(transformer, rows=16)
         if quantized is not None:
             served.flow_lm.transformer = quantized
             if native_kernels and device.type == "cpu" and decoder_ops.load():

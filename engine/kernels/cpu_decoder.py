@@ -377,7 +377,8 @@ class CpuDecoder:
         self.transformer = mimi.decoder_transformer
         self.int8 = False
         if int8:
-            quantized = int8_linears(mimi.decoder_transformer)
+            # A call carries at least a new stream's first two frames.
+            quantized = int8_linears(mimi.decoder_transformer, rows=2 * mimi.steps_per_frame)
             if quantized is not None:
                 self.transformer, self.int8 = quantized, True
         if self.native:

@@ -6,12 +6,15 @@ times the work per instruction. Measured on an AVX2 core (1024 x 4096 weights, o
 0.18 vs 0.51 ms for 1 row, 0.93 vs 3.9 ms for 16, 3.6 vs 8.5 ms for 64.
 
 Where the CPU has AMX, oneDNN's int8 GEMM (the same quantized operators, packed by torch's
-"onednn" engine) runs the large layers on the tile unit: full size on one Xeon core, 1024 x 4096
-weights at 40 / 80 rows 0.49 / 0.59 ms against fbgemm's 0.76 / 1.41, and in the engine an AR step
-of 16 rows 25-26 ms against 28-29, a prompt pass of 40 positions 26 against 31-32 (of four
-clauses of 20, 40-43 against 52-56). It costs more per call, so small layers keep fbgemm: the 2M
-model's AR step of 16 rows took 4.4-4.7 ms with oneDNN against 2.8-2.9
-(bench/results/cpu-2core-xeon-amx-2026-12-07).
+"onednn" engine) runs on the tile unit. It costs more per call, so it pays only from some rows
+on, the fewer the wider the layer: one Xeon core, fbgemm against oneDNN, 1024 x 4096 at 1 / 16 /
+40 / 80 rows 0.28 / 0.42 / 0.76 / 1.41 ms against 0.32 / 0.39 / 0.49 / 0.59; 512 x 1536 at 16 /
+32 / 64 / 1024 rows 0.11 / 0.16 / 0.30 / 5.7 against 0.13 / 0.15 / 0.23 / 1.2. So a layer takes
+it where its calls carry rows x width >= `ONEDNN_MIN_WORK`: the full-size FlowLM (1024 wide,
+AR steps of 16 rows under load: a step 24-26 ms against 28-29, a prompt pass of 40 positions 26
+against 31-32) and the Mimi decoder transformer (512 wide, 16 rows a frame, calls of two frames
+or more). The 2M model's FlowLM (112 wide) keeps fbgemm: with oneDNN its AR step of 16 rows took
+4.4-4.7 ms against 2.8-2.9 (bench/results/cpu-2core-xeon-amx-2026-12-07).
 
 This is what the reference package's `quantize=True` does (`pocket_tts.quantization`: the
 FlowLM transformer's attention and feed-forward linears, the flow head left in float32), with
@@ -39,19 +42,20 @@ M = TypeVar("M", bound=nn.Module)
 
 Kernel = Literal["fbgemm", "onednn"]
 
-# oneDNN pays for its cost per call on layers whose sides are both at least this (full size's
-# 1024-wide FlowLM); the 2M model's and the Mimi decoder's are smaller.
-ONEDNN_MIN_SIDE = 1024
+# Rows x width from which oneDNN's int8 GEMM beats fbgemm's on a core with AMX (16 rows of a
+# 1024-wide layer, 32 of a 512-wide one).
+ONEDNN_MIN_WORK = 16 * 1024
 
 # torch's quantized engine, which decides how `linear_prepack` packs, is one setting per process.
 _engine_lock = threading.Lock()
 
 
-def kernel_for(linear: nn.Linear) -> Kernel:
-    """oneDNN for a large layer on a CPU with AMX, fbgemm elsewhere."""
-    large = min(linear.in_features, linear.out_features) >= ONEDNN_MIN_SIDE
+def kernel_for(linear: nn.Linear, rows: int) -> Kernel:
+    """oneDNN on a CPU with AMX for a layer whose calls carry `rows` rows, where that is enough
+    to pay for its cost per call; fbgemm elsewhere."""
+    pays = rows * min(linear.in_features, linear.out_features) >= ONEDNN_MIN_WORK
     onednn = "onednn" in torch.backends.quantized.supported_engines
-    return "onednn" if large and onednn and torch.cpu._is_amx_tile_supported() else "fbgemm"
+    return "onednn" if pays and onednn and torch.cpu._is_amx_tile_supported() else "fbgemm"
 
 
 @contextmanager
@@ -67,13 +71,13 @@ def _quantized_engine(kernel: Kernel) -> Iterator[None]:
 
 class Int8Linear(nn.Module):
     """A bias-free linear layer with int8 weights (per output channel) and dynamically quantized
-    int8 activations (per call), through `kernel` (`kernel_for`'s choice by default)."""
+    int8 activations (per call), through `kernel`."""
 
-    def __init__(self, linear: nn.Linear, kernel: Kernel | None = None):
+    def __init__(self, linear: nn.Linear, kernel: Kernel = "fbgemm"):
         super().__init__()
         if linear.bias is not None:
             raise ValueError("Int8Linear: linear layers with a bias are not supported")
-        self.kernel = kernel or kernel_for(linear)
+        self.kernel = kernel
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
@@ -96,17 +100,22 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def int8_linears(module: M) -> M | None:
+def int8_linears(module: M, rows: int) -> M | None:
     """A copy of `module` whose transformer layers' attention and feed-forward linears run in
-    int8 (norms, attention itself and activations stay float32), or None where this torch build
-    can't (no fbgemm)."""
+    int8 (norms, attention itself and activations stay float32), each through the kernel
+    (`kernel_for`) that suits calls of `rows` rows, or None where this torch build can't (no
+    fbgemm)."""
     quantized = copy.deepcopy(module)
+
+    def int8(linear: nn.Linear) -> Int8Linear:
+        return Int8Linear(linear, kernel_for(linear, rows))
+
     try:
         for layer in quantized.modules():
             if isinstance(layer, TransformerLayer):
                 attn = layer.self_attn
-                attn.in_proj, attn.out_proj = Int8Linear(attn.in_proj), Int8Linear(attn.out_proj)
-                layer.linear1, layer.linear2 = Int8Linear(layer.linear1), Int8Linear(layer.linear2)
+                attn.in_proj, attn.out_proj = int8(attn.in_proj), int8(attn.out_proj)
+                layer.linear1, layer.linear2 = int8(layer.linear1), int8(layer.linear2)
     except (RuntimeError, AttributeError, ValueError) as e:
         logger.warning("int8 linear layers unavailable (%s); %s runs in float32", e, type(module))
         return None

@@ -14,8 +14,9 @@ on a CPU (int8 linear layers in the FlowLM and decoder transformers) 2.5e-4 rela
 0.10 dB mean / 0.20 dB worst frame at temperature 0.3, 5.6e-4 and 0.34 / 0.51 dB at 0 (full
 size; with the AR rows' contexts in float16, four streams in a batch: 2.9-3.2e-4 and <= 0.14 dB
 mean at 0.3, 5.4-6.7e-4 and <= 0.40 / 0.50 dB at 0; with oneDNN's int8 on a Xeon with AMX,
-2.2e-4 and <= 0.10 dB mean at 0.3, 3.7-4.2e-4 and <= 0.26 / 0.43 dB at 0); 2e-5 to 5e-5 and <= 0.16 dB (tiny, both
-families); `dtype="bfloat16"` (bf16 FlowLM) 9.4e-5 and <= 0.08 dB (full size, 0.3).
+2.2e-4 and <= 0.10 dB mean at 0.3, 3.9-4.1e-4 and <= 0.25 / 0.38 dB at 0); 2e-5 to 5e-5 and
+<= 0.16 dB (tiny, both families); `dtype="bfloat16"` (bf16 FlowLM) 9.4e-5 and <= 0.08 dB (full
+size, 0.3).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.kernels import native
 from intone.engine.kernels.bf16 import Bf16Linear
-from intone.engine.kernels.int8 import ONEDNN_MIN_SIDE, Int8Linear, kernel_for
+from intone.engine.kernels.int8 import Int8Linear, kernel_for
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.precision import native_bf16, resolve_precision
 from intone.engine.text import split_clauses
@@ -245,12 +246,12 @@ def test_int8_linear_is_an_int8_product_through_either_kernel(kernel: str):
     """Each kernel's packing and activation range (oneDNN's full 8 bits, fbgemm's 7) give an int8
     product of the layer at every row count, in a trace replayed at other row counts too."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(ONEDNN_MIN_SIDE, 96, bias=False)
+    linear = torch.nn.Linear(1024, 96, bias=False)
     layer = Int8Linear(linear, kernel)
     assert layer.kernel == kernel
-    traced = torch.jit.trace(layer, torch.randn(3, ONEDNN_MIN_SIDE))
+    traced = torch.jit.trace(layer, torch.randn(3, 1024))
     for rows in (1, 16, 80):
-        x = torch.randn(rows, ONEDNN_MIN_SIDE)
+        x = torch.randn(rows, 1024)
         exact = linear(x).detach()
         ours = layer(x)
         rel = float((ours - exact).norm() / exact.norm())
@@ -258,15 +259,28 @@ def test_int8_linear_is_an_int8_product_through_either_kernel(kernel: str):
         assert torch.equal(traced(x), ours)
 
 
-def test_only_large_layers_take_onednn():
-    small = torch.nn.Linear(512, 2048, bias=False)  # the Mimi decoder's feed-forward
-    large = torch.nn.Linear(ONEDNN_MIN_SIDE, 4 * ONEDNN_MIN_SIDE, bias=False)
-    assert kernel_for(small) == "fbgemm"
+def test_onednn_takes_the_layers_whose_calls_carry_enough_rows():
+    """oneDNN's int8 GEMM costs more per call than fbgemm's and pays from rows x width of
+    `ONEDNN_MIN_WORK` (16 x 1024), on a CPU with AMX: the full-size FlowLM at an AR step's 16
+    rows, the Mimi decoder's 512-wide layers at a call's two frames (32 rows); not the 2M
+    FlowLM."""
     amx = torch.cpu._is_amx_tile_supported()
-    assert kernel_for(large) == ("onednn" if amx else "fbgemm")
+    onednn = "onednn" if amx else "fbgemm"
+    full_size = torch.nn.Linear(1024, 4096, bias=False)
+    decoder = torch.nn.Linear(512, 2048, bias=False)
+    two_m = torch.nn.Linear(112, 336, bias=False)
+    assert kernel_for(full_size, rows=16) == onednn
+    assert kernel_for(full_size, rows=8) == "fbgemm"
+    assert kernel_for(decoder, rows=32) == onednn
+    assert kernel_for(decoder, rows=16) == "fbgemm"
+    assert kernel_for(two_m, rows=16) == "fbgemm"
+
+
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_packing_puts_the_process_quantized_engine_back(kernel: str):
     before = torch.backends.quantized.engine
-    Int8Linear(large, "onednn" if "onednn" in torch.backends.quantized.supported_engines else None)
-    assert torch.backends.quantized.engine == before  # a process-wide setting, put back
+    Int8Linear(torch.nn.Linear(64, 32, bias=False), kernel)
+    assert torch.backends.quantized.engine == before  # a process-wide setting
 
 
 def test_engine_converts_a_copy_of_the_flow_head(tiny_checkpoint: Path):
