@@ -10,11 +10,18 @@ log-spectral distance, bench/results/cpu-2core-stages/README.md), bf16's does no
 
 The GEMM's operands and its output are rounded to bf16 (it accumulates in float32); the bias,
 norms, activations and residual sums stay float32.
+
+On a CPU the weights are packed once into oneDNN's blocked layout (`_reorder_linear_weight`), as
+torch's own compiled CPU linears keep them: `F.linear` reorders a plain weight on every call.
+The product is the same to the bit; on a Xeon core with AMX, 16 rows through 512 x 1536 weights
+155 us against 198, through 512 x 512 54 against 79.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -24,19 +31,50 @@ from torch.nn import functional as F
 M = TypeVar("M", bound=nn.Module)
 
 
+def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], None)
+
+
+@functools.cache
+def _scripted_packed_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`_packed_product` for the tracer, which cannot record the operator's empty list of
+    optional scalars: a scripted function is recorded as one call."""
+
+    def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        scalars = torch.jit.annotate(list[int | float | complex | None], [])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", scalars, None)
+
+    return torch.jit.script(product)
+
+
 class Bf16Linear(nn.Module):
     """A linear layer whose weights are bf16 and whose input is rounded to bf16 per call; the
     product (accumulated in float32, rounded to bf16 by torch's CPU GEMM) returns as float32,
-    and the float32 bias is added to it."""
+    and the float32 bias is added to it. On a CPU with oneDNN the weights are held packed
+    (`packed`, in place of `weight`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        weight = linear.weight.detach().to(torch.bfloat16)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight: nn.Parameter | None = None
+        packed = None
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("packed", packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(torch.float32)
+        x = x.to(torch.bfloat16)
+        if self.packed is None:
+            y = F.linear(x, self.weight)
+        elif torch.jit.is_tracing():
+            y = _scripted_packed_product()(x, self.packed)
+        else:
+            y = _packed_product(x, self.packed)
+        y = y.to(torch.float32)
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -224,10 +224,17 @@ def test_bf16_linear_is_a_bf16_product_in_a_float32_layer():
     x = torch.randn(5, 64)
     layer = Bf16Linear(linear)
     ours = layer(x)
-    assert layer.weight.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    assert ours.dtype == torch.float32
     exact = linear(x).detach()
     rel = float((ours - exact).norm() / exact.norm())
     assert 0 < rel < 1e-2  # bf16's 8-bit mantissa: close, not exact
+    # Packed for oneDNN on the CPU: the same product as torch's bf16 GEMM, to the bit, eager
+    # and in a trace (replayed at another row count).
+    assert layer.packed is not None and layer.weight is None
+    bf16 = torch.nn.functional.linear(x.bfloat16(), linear.weight.detach().bfloat16())
+    assert torch.equal(ours, bf16.float() + linear.bias.detach())
+    traced = torch.jit.trace(layer, torch.randn(3, 64))
+    assert torch.equal(traced(x), ours)
 
 
 INT8_KERNELS = [
