@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from intone.engine.cpu_memory import request_huge_pages
+
+request_huge_pages()  # before anything here imports torch
+
 _EXPORTS = {
     "AudioChunk": "intone.engine.events",
     "ClauseDone": "intone.engine.events",

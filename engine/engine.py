@@ -38,7 +38,7 @@ from intone.engine import device as devices
 from intone.engine.ar_worker import ARWorker, failed
 from intone.engine.block_manager import BlockManager
 from intone.engine.config import EngineConfig
-from intone.engine.cpu_memory import keep_freed_memory
+from intone.engine.cpu_memory import huge_pages, keep_freed_memory
 from intone.engine.decoder_worker import DecoderWorker, FinishItem
 from intone.engine.errors import (
     EmptyTextError,
@@ -95,8 +95,10 @@ class Engine:
         self.loaded = loaded
         self.io = devices.device_io(config.device)
         self.device = self.io.device
-        if config.keep_freed_memory and self.device.type == "cpu":
-            keep_freed_memory()
+        if self.device.type == "cpu":
+            if config.keep_freed_memory:
+                keep_freed_memory()
+            logger.info("huge pages for torch's large allocations: %s", huge_pages())
         budget = set_torch_threads(config.torch_threads)
         precision = resolve_precision(config.dtype, config.device)
         self.model = serving_model(loaded.model, self.device, precision, config.native_kernels)

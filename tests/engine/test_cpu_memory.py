@@ -1,13 +1,17 @@
-"""The engine keeps freed activations in glibc's heap (engine/cpu_memory.py)."""
+"""The engine keeps freed activations in glibc's heap and asks torch for huge pages
+(engine/cpu_memory.py)."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from intone.engine.cpu_memory import HUGE_PAGES_ENV, KERNEL_HUGE_PAGES
 
 # Decode calls on the engine's own decoder, in a fresh process (malloc settings are
 # process-wide): the minor page faults per call once warm.
@@ -48,3 +52,58 @@ def test_decode_calls_stop_page_faulting(tiny_checkpoint: Path):
     with_setting = faults_per_decode_call(tiny_checkpoint, keep_freed_memory=True)
     assert without > 20
     assert with_setting < without / 5
+
+
+# A fresh process (torch reads its setting once): `first` runs before the engine is imported;
+# then 64 MB in one torch allocation, and how much of the process is in huge pages.
+HUGE_PAGES = """
+import os, sys
+{first}
+import intone.engine
+import torch
+from intone.engine.cpu_memory import HUGE_PAGES_ENV, huge_pages
+ones = torch.ones(16 << 20)
+huge = [l.split()[1] for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages")]
+print(os.environ.get(HUGE_PAGES_ENV), "|", huge_pages(), "|", huge[0])
+"""
+
+
+def huge_pages_in_a_process(first: str = "", setting: str | None = None) -> tuple[str, str, int]:
+    env = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_ENV}
+    if setting is not None:
+        env[HUGE_PAGES_ENV] = setting
+    run = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES.format(first=first)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=env,
+    )
+    variable, status, huge_kb = run.stdout.strip().splitlines()[-1].split(" | ")
+    return variable, status, int(huge_kb)
+
+
+def kernel_huge_pages() -> bool:
+    try:
+        return "[never]" not in KERNEL_HUGE_PAGES.read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not kernel_huge_pages(), reason="the kernel has no transparent huge pages")
+def test_importing_the_engine_puts_torchs_large_allocations_in_huge_pages():
+    variable, status, huge_kb = huge_pages_in_a_process()
+    assert variable == "1" and status == "on"
+    assert huge_kb >= 32 << 10  # most of the 64 MB
+
+
+def test_torch_imported_first_keeps_its_pages_and_the_log_says_why():
+    variable, status, _ = huge_pages_in_a_process(first="import torch")
+    assert variable == "None"  # too late to matter, so not set
+    assert status.startswith("off (torch was imported before intone.engine")
+
+
+def test_the_environment_keeps_small_pages():
+    variable, status, _ = huge_pages_in_a_process(setting="0")
+    assert variable == "0" and status == f"off ({HUGE_PAGES_ENV}=0)"
