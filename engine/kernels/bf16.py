@@ -50,8 +50,8 @@ def _scripted_packed_product() -> Callable[[torch.Tensor, torch.Tensor], torch.T
 class Bf16Linear(nn.Module):
     """A linear layer whose weights are bf16 and whose input is rounded to bf16 per call; the
     product (accumulated in float32, rounded to bf16 by torch's CPU GEMM) returns as float32,
-    and the float32 bias is added to it. On a CPU with oneDNN the weights are held packed
-    (`packed`, in place of `weight`)."""
+    and the float32 bias is added to it. On a CPU whose oneDNN runs bf16 the weights are held
+    packed (`packed`, in place of `weight`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -60,7 +60,9 @@ class Bf16Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight: nn.Parameter | None = None
         packed = None
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        # oneDNN's bf16 kernels need AVX-512 (emulated there) or native bf16; elsewhere
+        # `dtype="bfloat16"` keeps torch's GEMM.
+        if weight.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
