@@ -31,14 +31,11 @@ from torch.nn import functional as F
 M = TypeVar("M", bound=nn.Module)
 
 
-def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], None)
-
-
 @functools.cache
-def _scripted_packed_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`_packed_product` for the tracer, which cannot record the operator's empty list of
-    optional scalars: a scripted function is recorded as one call."""
+def _packed_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """oneDNN's product of bf16 rows and packed weights, as a scripted function: the tracer
+    cannot record the operator's empty list of optional scalars, but records a scripted call as
+    one (and called eagerly it costs what the operator does)."""
 
     def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         scalars = torch.jit.annotate(list[int | float | complex | None], [])
@@ -70,12 +67,7 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        if self.packed is None:
-            y = F.linear(x, self.weight)
-        elif torch.jit.is_tracing():
-            y = _scripted_packed_product()(x, self.packed)
-        else:
-            y = _packed_product(x, self.packed)
+        y = F.linear(x, self.weight) if self.packed is None else _packed_product()(x, self.packed)
         y = y.to(torch.float32)
         return y if self.bias is None else y.add_(self.bias)
 
