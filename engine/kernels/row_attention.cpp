@@ -135,8 +135,8 @@ void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
     float top = -3.4e38f;
     for (int64_t t = 0; t < length; t++) {
       const half* kt = k + t * dim;
-      if (j == 0) {
-        prefetch(kt + PREFETCH_KEYS * dim, dim * sizeof(half));
+      if (j == 0) {  /* within the row's keys: nothing is asked for past them */
+        if (t + PREFETCH_KEYS < length) prefetch(kt + PREFETCH_KEYS * dim, dim * sizeof(half));
         prefetch(v + t * dim, dim * sizeof(half));
       }
       floats acc = {};
@@ -176,8 +176,8 @@ void attend_head(const float* __restrict__ q, const float* __restrict__ k,
     float top = -3.4e38f;
     for (int64_t t = 0; t < length; t++) {
       const float* __restrict__ kt = k + t * dim;
-      if (j == 0) {
-        prefetch(kt + PREFETCH_KEYS * dim, dim * sizeof(float));
+      if (j == 0) {  /* within the row's keys: nothing is asked for past them */
+        if (t + PREFETCH_KEYS < length) prefetch(kt + PREFETCH_KEYS * dim, dim * sizeof(float));
         prefetch(v + t * dim, dim * sizeof(float));
       }
       float s = 0.0f;
