@@ -99,6 +99,7 @@ class ModelRunner:
         device: torch.device,
         batch_buckets: tuple[int, ...] | None = None,
         decoder_int8: bool = False,
+        decoder_convs_bf16: bool = False,
         trace_after: int | None = None,
         thread_budget: ThreadBudget | None = None,
         decode_parts: int = 1,
@@ -151,6 +152,7 @@ class ModelRunner:
             int8=decoder_int8,
             trace_after=trace_after,
             native_ops=native_kernels,
+            bf16_convs=decoder_convs_bf16,
         )
         self.decoder_states = DecoderStatePool(self.decoder, decoder_slots, device)
         # The input of a clause's first AR step: the BOS latent's embedding.
@@ -185,6 +187,7 @@ class ModelRunner:
             io.device,
             config.batch_buckets,
             decoder_int8=precision.decoder_int8,
+            decoder_convs_bf16=precision.decoder_convs_bf16,
             trace_after=config.trace_after,
             thread_budget=budget,
             # With the thread budget, a decode batch runs one part per core, each on one

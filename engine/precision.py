@@ -12,11 +12,13 @@
   decoder), and that
   FlowLM copy's tanh GELU through the decoder's operator (`native_kernels`); where the CPU
   multiplies bf16 natively (AVX-512 BF16 or AMX), the flow head's linear layers in bf16
-  (`kernels/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not);
+  (`kernels/bf16.py`: int8 there fails the tolerance at temperature 0, bf16 does not), and the
+  Mimi decoder's widest convolutions (512 and 256 channels) as bf16 GEMMs (the narrower ones in
+  bf16 fail the tolerance);
   the AR rows' dense copies of the KV cache, which every AR step reads whole, in float16
   (`RowContexts`, where the native attention reads them: half the bytes, a full-size step of 16
   rows 12-18% faster over 30-300 positions; the pool, and so every prompt pass, stays float32);
-  activations, attention, the KV cache and the decoder's convolutions in float32. bf16 is not
+  activations, attention, the KV cache and the decoder's other convolutions in float32. bf16 is not
   used for the transformers' linears: where it is emulated (AVX2) it is ~8-10x slower than
   float32, and where it is native int8 linears are still faster at decode-step row counts
   (bench/results/cpu-2core-stages/README.md).
@@ -54,6 +56,8 @@ class Precision:
     # The AR rows' dense contexts (`RowContexts`), where the native attention reads them: the
     # pool (and so every prompt pass) stays float32.
     half_row_contexts: bool = False
+    # The Mimi decoder's widest convolutions (`cpu_decoder.BF16_CONV_MIN_CHANNELS`) as bf16 GEMMs.
+    decoder_convs_bf16: bool = False
 
 
 def native_bf16() -> bool:
@@ -78,6 +82,7 @@ def resolve_precision(dtype: str, device: str | torch.device) -> Precision:
         flow_lm_int8=True,
         flow_head_bf16=native_bf16(),
         half_row_contexts=True,
+        decoder_convs_bf16=native_bf16(),
     )
 
 

@@ -44,6 +44,23 @@ def _packed_product() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return torch.jit.script(product)
 
 
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `pack` holds `weight` in oneDNN's layout: on a CPU whose oneDNN runs bf16
+    (AVX-512, emulated there, or native bf16)."""
+    return weight.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] weight in oneDNN's blocked layout for `product` (where `packs`): a
+    traced caller must hold it as a module's buffer."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """bf16 rows [N, in] times a `pack`ed weight: [N, out] in bf16 (accumulated in float32)."""
+    return _packed_product()(x, packed)
+
+
 class Bf16Linear(nn.Module):
     """A linear layer whose weights are bf16 and whose input is rounded to bf16 per call; the
     product (accumulated in float32, rounded to bf16 by torch's CPU GEMM) returns as float32,
@@ -59,15 +76,15 @@ class Bf16Linear(nn.Module):
         packed = None
         # oneDNN's bf16 kernels need AVX-512 (emulated there) or native bf16; elsewhere
         # `dtype="bfloat16"` keeps torch's GEMM.
-        if weight.device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if packs(weight):
+            packed = pack(weight)
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("packed", packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16)
-        y = F.linear(x, self.weight) if self.packed is None else _packed_product()(x, self.packed)
+        y = F.linear(x, self.weight) if self.packed is None else product(x, self.packed)
         y = y.to(torch.float32)
         return y if self.bias is None else y.add_(self.bias)
 

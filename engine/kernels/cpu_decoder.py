@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from intone.engine.kernels import decoder_ops, traces
+from intone.engine.kernels import bf16, decoder_ops, traces
 from intone.engine.kernels.int8 import int8_linears
 from intone.engine.models.pocket.conv import State, StreamingConv1d, StreamingConvTranspose1d
 from intone.engine.models.pocket.mimi import Mimi, SEANetResnetBlock
@@ -65,6 +65,16 @@ def winograd_matrices(m: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return tuple(torch.tensor(a, dtype=torch.float32) for a in matrices)
 
 
+# With `CpuDecoder(bf16_convs=True)`, the convolutions at least this wide on both sides of their
+# GEMMs (the 512- and 256-channel layers nearest the latents) run as bf16 GEMMs. On a Xeon with
+# AMX a full-size decode call of 16 rows x 4 frames took 210-216 ms against 274-287 (one thread,
+# eager), and the fast path's error hardly moved (four streams at temperature 0: 5.6e-4 against
+# 4e-4 relative RMS, 0.30-0.34 dB mean log-spectral distance); taking the 128-channel layers too
+# fails the tolerance (2.2 dB), as do bf16 Winograd products (1.2 dB: their transforms amplify
+# the rounding). bench/results/cpu-2core-xeon-amx-2026-12-07/README.md.
+BF16_CONV_MIN_CHANNELS = 256
+
+
 def winograd_tile(in_channels: int, out_channels: int) -> int:
     """F(4, K) where it pays on a CPU. Measured per layer (full-size and 2M decoders, one
     thread): F(4, 7) at 512 channels takes 37% of the direct time, and from 256 channels on each
@@ -79,7 +89,11 @@ class _Conv:
     `weights` is [K, Cin, Cout]: tap k's matrix, contiguous for the GEMM; tap K - 1 reads the
     newest frame. With `tile` m > 1 (dilation 1), a call whose frame count m divides runs as
     Winograd's F(m, K): n = m + K - 1 GEMMs over every m-th frame instead of K over every frame,
-    K * m / n times fewer multiplications for a transform of the input and output."""
+    K * m / n times fewer multiplications for a transform of the input and output.
+
+    With `bf16` and both sides at least `BF16_CONV_MIN_CHANNELS` wide (where oneDNN runs bf16),
+    it is one bf16 GEMM of the K taps' frames side by side instead (`packed`, the weights in
+    oneDNN's layout; float32 out, its bias added in float32), with no Winograd."""
 
     def __init__(
         self,
@@ -90,6 +104,7 @@ class _Conv:
         elu: bool,
         tile: int = 1,
         native: bool = False,
+        bf16_gemm: bool = False,
     ):
         self.key = key
         self.weights = weights
@@ -100,13 +115,20 @@ class _Conv:
         self.elu = elu
         self.native = native  # the ELU through decoder_ops' operator
         self.tile = tile if dilation == 1 and weights.shape[0] > 1 else 1
+        self.packed: torch.Tensor | None = None
+        taps, cin, cout = weights.shape
+        if bf16_gemm and min(cin, cout) >= BF16_CONV_MIN_CHANNELS:
+            # Tap k's input channels at columns k * Cin ... of the taps side by side.
+            weight = weights.reshape(taps * cin, cout).t().to(torch.bfloat16).contiguous()
+            if bf16.packs(weight):
+                self.packed, self.tile = bf16.pack(weight), 1
         if self.tile > 1:
             out_t, g, in_t = winograd_matrices(self.tile, weights.shape[0])
             self.output_transform, self.input_transform = out_t, in_t
             self.transformed = torch.einsum("jk,kio->jio", g, weights).contiguous()
 
     @classmethod
-    def of(cls, module: StreamingConv1d, elu: bool, native: bool) -> _Conv:
+    def of(cls, module: StreamingConv1d, elu: bool, native: bool, bf16_gemm: bool) -> _Conv:
         conv = module.conv
         if conv.groups != 1 or conv.stride[0] != 1 or module.pad_mode != "constant":
             raise ValueError("CpuDecoder supports ungrouped stride-1 zero-padded convolutions")
@@ -116,7 +138,7 @@ class _Conv:
         bias = None if conv.bias is None else conv.bias.detach().clone()
         tile = winograd_tile(conv.in_channels, conv.out_channels)
         key = f"{module.state_name}.previous"
-        return cls(key, weights, bias, conv.dilation[0], elu, tile, native)
+        return cls(key, weights, bias, conv.dilation[0], elu, tile, native, bf16_gemm)
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.history == 0:
@@ -153,13 +175,28 @@ class _Conv:
             y += self.bias
         return y
 
+    def by_bf16_gemm(self, buf: torch.Tensor) -> torch.Tensor:
+        """The convolution of [B, history + T, C] `buf` as one bf16 GEMM (`packed`)."""
+        assert self.packed is not None
+        b, length, c = buf.shape
+        t = length - self.history
+        half = buf.to(torch.bfloat16)
+        taps = range(0, self.history + 1, self.dilation)
+        frames = torch.cat([half[:, k : k + t] for k in taps], dim=2).view(b * t, -1)
+        y = bf16.product(frames, self.packed).to(torch.float32).view(b, t, -1)
+        return y if self.bias is None else y.add_(self.bias)
+
     def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
         b, t, _ = x.shape
         if self.history == 0:
             if self.elu:
                 x = decoder_ops.elu_into(x, torch.empty_like(x), self.native)
+            if self.packed is not None:
+                return self.by_bf16_gemm(x)
             return F.linear(x, self.weights[0].t(), self.bias)
         buf = self.with_history(x, state)
+        if self.packed is not None:
+            return self.by_bf16_gemm(buf)
         if self.tile > 1 and t % self.tile == 0:
             return self.winograd(buf)
         length = buf.shape[1]
@@ -183,7 +220,9 @@ class _ConvTranspose:
     a two-tap causal convolution to stride x Cout channels, reshaped to stride frames: no
     overlap-add pass, and the ELU fuses into the one-frame history as in `_Conv`."""
 
-    def __init__(self, module: StreamingConvTranspose1d, elu: bool, native: bool):
+    def __init__(
+        self, module: StreamingConvTranspose1d, elu: bool, native: bool, bf16_gemm: bool = False
+    ):
         convtr = module.convtr
         kernel, stride = convtr.kernel_size[0], convtr.stride[0]
         if kernel != 2 * stride:
@@ -205,7 +244,16 @@ class _ConvTranspose:
             weights = torch.stack([tap.permute(0, 2, 1).reshape(cin, -1) for tap in taps])
             weights = weights.contiguous()  # [2, Cin, stride * Cout]
         tile = 1 if self.depthwise else winograd_tile(*weights.shape[1:])
-        self.conv = _Conv(key, weights, bias, dilation=1, elu=elu, tile=tile, native=native)
+        self.conv = _Conv(
+            key,
+            weights,
+            bias,
+            dilation=1,
+            elu=elu,
+            tile=tile,
+            native=native,
+            bf16_gemm=bf16_gemm and not self.depthwise,
+        )
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         if self.depthwise:
@@ -229,7 +277,7 @@ class _ConvTranspose:
 
 
 class _ResBlock:
-    def __init__(self, block: SEANetResnetBlock, native: bool):
+    def __init__(self, block: SEANetResnetBlock, native: bool, bf16_gemm: bool):
         layers = list(block.block)
         if not (
             len(layers) == 4
@@ -238,7 +286,7 @@ class _ResBlock:
             and all(isinstance(m, StreamingConv1d) for m in layers[1::2])
         ):
             raise ValueError("CpuDecoder supports ELU-conv-ELU-conv residual blocks")
-        self.convs = [_Conv.of(layers[1], True, native), _Conv.of(layers[3], True, native)]
+        self.convs = [_Conv.of(layers[i], True, native, bf16_gemm) for i in (1, 3)]
 
     def init_state(self, batch_size: int, device: torch.device) -> State:
         state: State = {}
@@ -346,6 +394,8 @@ class CpuDecoder:
     `int8`, the decoder transformer's linear layers run in int8 (`Int8Linear`): its output
     enters the residual stream through a small layer scale, so this costs little accuracy (the
     fast path's tolerance, tests/engine/test_fast_path.py) and about a fifth of the decoder's time.
+    With `bf16_convs`, the SEANet's widest convolutions run as bf16 GEMMs
+    (`BF16_CONV_MIN_CHANNELS`), where oneDNN runs bf16.
     With `trace_after`, its two parts (the transformer, and the SEANet per group of rows) run as
     TorchScript traces, one per part and kind of state (pool rows in place or gathered), for
     every row and frame count, from that many calls on (`traces.TraceCache`): the same
@@ -360,6 +410,7 @@ class CpuDecoder:
         seanet_group_values: int = SEANET_GROUP_VALUES,
         trace_after: int | None = None,
         native_ops: bool = False,
+        bf16_convs: bool = False,
     ):
         if mimi.quantizer.output_proj.kernel_size[0] != 1:
             raise ValueError("CpuDecoder needs a 1x1 quantizer output projection")
@@ -393,16 +444,23 @@ class CpuDecoder:
                 elu = True
                 continue
             if isinstance(module, StreamingConv1d):
-                self.layers.append(_Conv.of(module, elu, self.native))
+                self.layers.append(_Conv.of(module, elu, self.native, bf16_convs))
             elif isinstance(module, StreamingConvTranspose1d):
-                self.layers.append(_ConvTranspose(module, elu, self.native))
+                self.layers.append(_ConvTranspose(module, elu, self.native, bf16_convs))
             elif isinstance(module, SEANetResnetBlock):
                 if elu:
                     raise ValueError("CpuDecoder: an ELU in front of a residual block")
-                self.layers.append(_ResBlock(module, self.native))
+                self.layers.append(_ResBlock(module, self.native, bf16_convs))
             else:
                 raise ValueError(f"CpuDecoder: unsupported decoder layer {type(module).__name__}")
             elu = False
+        # The convolutions that run as bf16 GEMMs; their packed weights are buffers of a module
+        # the SEANet's trace is given (the tracer cannot hold them as constants).
+        self.convs = [conv for layer in self.layers for conv in _convs(layer)]
+        self.bf16_convs = [conv for conv in self.convs if conv.packed is not None]
+        self.seanet_weights = nn.Module()
+        for i, conv in enumerate(self.bf16_convs):
+            self.seanet_weights.register_buffer(f"packed_{i}", conv.packed)
         self.seanet_keys = [
             key for layer in self.layers for key in layer.init_state(1, torch.device("meta"))
         ]
@@ -455,7 +513,9 @@ class CpuDecoder:
             group_state = {name: state[name][rows] for name in self.seanet_keys}
             y = x[rows]
             key = ("seanet", branches)
-            audio.append(self._call(key, self._seanet, y, group_state, trace_now))
+            audio.append(
+                self._call(key, self._seanet, y, group_state, trace_now, self.seanet_weights)
+            )
         return torch.cat(audio).transpose(1, 2).contiguous()
 
     def _call(
@@ -511,16 +571,24 @@ def make_decoder(
     int8: bool = False,
     trace_after: int | None = None,
     native_ops: bool = True,
+    bf16_convs: bool = False,
 ) -> Mimi | CpuDecoder:
-    """The engine's decoder: `CpuDecoder` on the CPU (float32, or int8 transformer linears;
-    traced from `trace_after` calls of a shape on, where this torch can; with `native_ops`,
-    decoder_ops' operators where they build), `Mimi` itself elsewhere (cuDNN convolutions)."""
+    """The engine's decoder: `CpuDecoder` on the CPU (float32, or int8 transformer linears and
+    with `bf16_convs` the widest convolutions in bf16; traced from `trace_after` calls of a
+    shape on, where this torch can; with `native_ops`, decoder_ops' operators where they
+    build), `Mimi` itself elsewhere (cuDNN convolutions)."""
     if device.type != "cpu":
         return mimi
     if not traces.available():
         trace_after = None
     try:
-        return CpuDecoder(mimi, int8=int8, trace_after=trace_after, native_ops=native_ops)
+        return CpuDecoder(
+            mimi,
+            int8=int8,
+            trace_after=trace_after,
+            native_ops=native_ops,
+            bf16_convs=bf16_convs,
+        )
     except ValueError as e:
         logger.warning("Mimi decoder layout not supported by CpuDecoder (%s): eager path", e)
         return mimi

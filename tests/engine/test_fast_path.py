@@ -33,7 +33,8 @@ import torch
 from intone.engine import Engine, EngineConfig, GenerationOptions
 from intone.engine.generate import generate
 from intone.engine.kernels import native
-from intone.engine.kernels.bf16 import Bf16Linear
+from intone.engine.kernels.bf16 import Bf16Linear, packs
+from intone.engine.kernels.cpu_decoder import BF16_CONV_MIN_CHANNELS, CpuDecoder
 from intone.engine.kernels.int8 import Int8Linear, kernel_for
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.precision import native_bf16, resolve_precision
@@ -78,6 +79,13 @@ def check_reduced_precision(engine: Engine) -> None:
     int8 = any(isinstance(m, Int8Linear) for m in engine.model.flow_lm.transformer.modules())
     assert int8 == precision.flow_lm_int8
     assert engine.runner.decoder.int8 == precision.decoder_int8
+    # The decoder's widest convolutions in bf16 where the policy says so and oneDNN runs bf16
+    # (the tiny decoder has none that wide).
+    decoder = engine.runner.decoder
+    if isinstance(decoder, CpuDecoder):
+        wide = [c for c in decoder.convs if min(c.weights.shape[1:]) >= BF16_CONV_MIN_CHANNELS]
+        bf16_convs = precision.decoder_convs_bf16 and packs(torch.zeros(1))
+        assert decoder.bf16_convs == (wide if bf16_convs else [])
     # The native decode attention reads float32 contexts; the bf16 KV pool attends in torch.
     native_attention = precision.flow_lm == torch.float32 and native.cxx_compiler() is not None
     assert engine.runner.native_row_attention == native_attention

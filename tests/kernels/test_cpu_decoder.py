@@ -8,8 +8,9 @@ import torch
 
 from intone.engine import Engine, EngineConfig
 from intone.engine.decoder_states import DecoderStatePool
-from intone.engine.kernels import decoder_ops
+from intone.engine.kernels import bf16, decoder_ops
 from intone.engine.kernels.cpu_decoder import (
+    BF16_CONV_MIN_CHANNELS,
     SEANET_GROUP_VALUES,
     CpuDecoder,
     winograd_matrices,
@@ -51,6 +52,26 @@ def test_cpu_decoder_equals_mimi(
     assert decoder.native == (native and decoder_ops.load())
     got = decode_in_calls(decoder, latents, calls)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not bf16.packs(torch.zeros(1)), reason="oneDNN does not run bf16 here")
+@torch.no_grad()
+def test_bf16_convs_are_the_widest_layers_and_stay_close(full_checkpoint):
+    """With `bf16_convs`, the full-size decoder's convolutions at least `BF16_CONV_MIN_CHANNELS`
+    wide on both sides of their GEMMs (and only those) run as one bf16 GEMM each; the audio stays
+    within bf16's rounding of `Mimi.decode`, over calls of 1 to 6 frames."""
+    mimi = load_model(full_checkpoint).model.mimi
+    decoder = CpuDecoder(mimi, bf16_convs=True, native_ops=True)
+    float32 = CpuDecoder(mimi, native_ops=True)
+    assert float32.bf16_convs == [] and len(decoder.bf16_convs) == 3
+    for conv in decoder.bf16_convs:
+        assert min(conv.weights.shape[1:]) >= BF16_CONV_MIN_CHANNELS and conv.tile == 1
+    latents = torch.randn(3, 20, mimi.quantizer.output_proj.in_channels)
+    calls = [1, 2, 6, 4, 3, 1, 3]
+    want = decode_in_calls(mimi, latents, calls)
+    got = decode_in_calls(decoder, latents, calls)
+    rel = float((got - want).norm() / want.norm())
+    assert 0 < rel < 2e-3, rel  # bf16's 8-bit mantissa in three layers: close, not exact
 
 
 @pytest.mark.parametrize(("tile", "kernel"), [(4, 2), (4, 3), (4, 7), (2, 3)])
@@ -206,17 +227,21 @@ def test_traced_decoder_replays_the_eager_decoder_exactly(
     assert len(first_call) == len(third_call) == 3
 
 
+@pytest.mark.parametrize("bf16_convs", [False, True])
 @torch.no_grad()
-def test_one_trace_serves_every_frame_count(full_checkpoint):
-    """The full-size decoder, whose wide convolutions run as Winograd: traces made on a call of
-    one row and one frame replay calls of 1 to 3 rows and 1 to 4 frames bit for bit, so the
-    engine makes one trace per part, not one per shape (each trace is a stall of up to a second
-    while it is made)."""
+def test_one_trace_serves_every_frame_count(full_checkpoint, bf16_convs: bool):
+    """The full-size decoder, whose wide convolutions run as Winograd (or as bf16 GEMMs, their
+    packed weights buffers of the SEANet's trace): traces made on a call of one row and one
+    frame replay calls of 1 to 3 rows and 1 to 4 frames bit for bit, so the engine makes one
+    trace per part, not one per shape (each trace is a stall of up to a second while it is
+    made)."""
     mimi = load_model(full_checkpoint).model.mimi
     # The engine's decoder: decoder_ops' operators where they build.
-    traced = CpuDecoder(mimi, trace_after=1, native_ops=True)
+    traced = CpuDecoder(mimi, trace_after=1, native_ops=True, bf16_convs=bf16_convs)
     assert traced.winograd_rates, "the full-size decoder should have Winograd layers"
-    eager = CpuDecoder(mimi, native_ops=True)
+    if bf16_convs and bf16.packs(torch.zeros(1)):
+        assert traced.bf16_convs
+    eager = CpuDecoder(mimi, native_ops=True, bf16_convs=bf16_convs)
     states = [decoder.init_decoder_state(3) for decoder in (traced, eager)]
     gen = torch.Generator().manual_seed(5)
     for rows, frames in ((1, 1), (1, 3), (2, 2), (3, 4), (1, 4), (3, 1)):
