@@ -444,6 +444,7 @@ async def amain(args: argparse.Namespace) -> dict:
         policy["first_clause_max_wait_ms"] = args.first_clause_max_wait_ms
     # The process's shared engine, loaded and warmed once: every path speaks through it.
     engine = await asyncio.to_thread(registry.prewarm, args.model)
+    print(f"engine rows (max_active): {engine.config.max_active}", flush=True)
     url, stop_server = serve(engine)
     runs = []
     try:
@@ -500,7 +501,15 @@ async def amain(args: argparse.Namespace) -> dict:
     finally:
         stop_server()
         registry.shutdown()
-    return {"label": args.label, "policy": policy, "stall_s": args.stall_s, "runs": runs}
+    return {
+        "label": args.label,
+        "policy": policy,
+        "stall_s": args.stall_s,
+        # The rows the engine admits (`max_active="auto"` measures them at start): past them a
+        # turn waits for a row.
+        "max_active": engine.config.max_active,
+        "runs": runs,
+    }
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -508,7 +517,8 @@ def write_markdown(results: dict, path: Path) -> None:
         f"# First LLM token -> first audio {results['label']}".rstrip(),
         "",
         f"Model {results['model']}, policy {results['policy'] or 'defaults'}, "
-        f"LLM stall {results['stall_s']:g} s mid-reply; "
+        f"LLM stall {results['stall_s']:g} s mid-reply; engine rows (max_active) "
+        f"{results['max_active']}; "
         f"machine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
         f"load average at start {results['machine']['loadavg_start']}.",
         "",

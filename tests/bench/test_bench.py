@@ -123,6 +123,7 @@ def test_agent_latency_smoke(tiny_checkpoint: Path, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results-smoke.json").read_text())
     assert results["policy"] == {"first_clause_min_words": 2}
+    assert isinstance(results["max_active"], int) and results["max_active"] >= 1
     runs = {(r["path"], r["concurrency"]): r for r in results["runs"]}
     paths = ("livekit", "livekit-remote", "pipecat", "client")
     assert set(runs) == {(p, c) for p in paths for c in (1, 2)}
