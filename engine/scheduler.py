@@ -16,7 +16,9 @@ Each iteration:
    its row cap is passed over.
 2. every started clause that still needs its prompt pass joins one packed prefill (and then,
    in the engine, that iteration's AR step: a clause's second latent comes a step sooner), up to
-   `max_prefill_tokens` positions; while a stream that plays is near an underrun, up to
+   `max_prefill_tokens` positions: new streams' first clauses and the next clauses of streams
+   within `URGENT_S` of an underrun first, then the others, first come first served among
+   equals; while a stream that plays is near an underrun, up to
    `max_prefill_rows_near_underrun` clauses, and those that what recent passes cost
    (`prompt_pass_cost`: a part per pass, per clause and per position, fitted to them) says end
    the pass `PREFILL_MARGIN_S` before that stream runs out (one clause at least), so that a
@@ -489,6 +491,9 @@ class Scheduler:
         prompts = [r for r in self.running if r.phase is Phase.PREFILL]
         spare_prompts = [r for r in prompts if self.need(r, t) is Need.SPARE]
         prompts = [r for r in prompts if r not in spare_prompts]
+        # A caller waiting for its first audio goes before a stream with URGENT_S of audio to
+        # play (sorted() is stable: first come, first served among equals).
+        prompts.sort(key=lambda r: r.frames_generated > 0 and pacing.lead(r, t) >= URGENT_S)
         if not (prompts or due or bursting):
             prompts = spare_prompts
         prefill = self._prompt_pass(prompts, t) if prompts else []
@@ -509,7 +514,7 @@ class Scheduler:
         return Batch(prefill, generate, failed, parked, drafts, endings)
 
     def _prompt_pass(self, prompts: list[Request], t: float) -> list[Request]:
-        """The clauses of this iteration's prompt pass, first come first served (step 2 of the
+        """The clauses of this iteration's prompt pass, in the order of `prompts` (step 2 of the
         module doc): up to `max_prefill_tokens` positions; while a stream that plays is near an
         underrun, at most `max_prefill_rows_near_underrun` clauses, and no more than end the
         pass, by what recent passes cost, `PREFILL_MARGIN_S` before that stream runs out. One

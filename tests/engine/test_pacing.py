@@ -196,6 +196,24 @@ def test_a_prefill_pass_beside_a_stream_near_an_underrun_ends_before_that_stream
     assert sched.schedule(0.0).prefill == new
 
 
+def test_a_new_streams_first_clause_goes_before_the_next_clause_of_a_stream_well_ahead() -> None:
+    """Where a pass near an underrun takes one clause, a new stream's first clause goes before
+    the next clause of a stream `URGENT_S` or more ahead of its listener, and after that of a
+    stream closer to running dry; first come, first served among equals."""
+    sched = scheduler(policy("yield"))
+    sched.prompt_pass_cost = measured(0.0, 0.01)  # 100 ms a clause: one a pass
+    playing = stream("playing", 0.16)
+    ahead, near, new = stream("ahead", 0.8), stream("near", 0.3), prompted("new", 10)
+    for request in (ahead, near):
+        request.phase, request.prompt = Phase.PREFILL, torch.zeros(10, 4)
+    sched.running = [playing, ahead, new]
+    assert sched.schedule(0.0).prefill == [new]
+    sched.running = [playing, near, new]
+    assert sched.schedule(0.0).prefill == [near]
+    sched.running = [playing, new, near]
+    assert sched.schedule(0.0).prefill == [new]
+
+
 def test_a_prompt_pass_costs_a_part_per_pass_per_clause_and_per_position() -> None:
     """A pass's seconds are fitted to the recent passes: per position alone while they all had
     the same size, then per pass and per position, and per clause too once their clauses
