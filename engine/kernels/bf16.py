@@ -1,4 +1,6 @@
-"""bf16 linear layers with float32 activations, for CPUs that multiply bf16 natively.
+"""bf16 linear layers with float32 activations, for CPUs that multiply bf16 natively; oneDNN's
+packed bf16 weights and product (`pack`, `product`), which the Mimi decoder's widest
+convolutions use too (`cpu_decoder.BF16_CONV_MIN_CHANNELS`).
 
 The flow head's linear layers are float32 GEMMs of a few rows (one per stream in an AR step):
 bound by reading ~39 MB of weights per step at full size, which bf16 halves, and on a core with
