@@ -492,7 +492,7 @@ class Scheduler:
         spare_prompts = [r for r in prompts if self.need(r, t) is Need.SPARE]
         prompts = [r for r in prompts if r not in spare_prompts]
         # A caller waiting for its first audio goes before a stream with URGENT_S of audio to
-        # play (sorted() is stable: first come, first served among equals).
+        # play (the sort is stable: first come, first served among equals).
         prompts.sort(key=lambda r: r.frames_generated > 0 and pacing.lead(r, t) >= URGENT_S)
         if not (prompts or due or bursting):
             prompts = spare_prompts

@@ -67,11 +67,11 @@ def winograd_matrices(m: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 # With `CpuDecoder(bf16_convs=True)`, the convolutions at least this wide on both sides of their
 # GEMMs (the 512- and 256-channel layers nearest the latents) run as bf16 GEMMs. On a Xeon with
-# AMX a full-size decode call of 16 rows x 4 frames took 210-216 ms against 274-287 (one thread,
-# eager), and the fast path's error hardly moved (four streams at temperature 0: 5.6e-4 against
-# 4e-4 relative RMS, 0.30-0.34 dB mean log-spectral distance); taking the 128-channel layers too
-# fails the tolerance (2.2 dB), as do bf16 Winograd products (1.2 dB: their transforms amplify
-# the rounding). bench/results/cpu-2core-xeon-amx-2026-12-07/README.md.
+# AMX a full-size decode call of 16 rows x 4 frames took 170-190 ms against 229-236 (one thread,
+# traced), and the fast path's error hardly moved (four streams at temperature 0: 5.5-5.7e-4
+# against ~4e-4 relative RMS, 0.30-0.35 dB mean log-spectral distance); the 128-channel layers
+# too fail the tolerance (0.76-0.84 dB mean), as do bf16 Winograd products (1.2 dB: their
+# transforms amplify the rounding). bench/results/cpu-2core-xeon-amx-2026-12-07/README.md.
 BF16_CONV_MIN_CHANNELS = 256
 
 
@@ -91,7 +91,7 @@ class _Conv:
     Winograd's F(m, K): n = m + K - 1 GEMMs over every m-th frame instead of K over every frame,
     K * m / n times fewer multiplications for a transform of the input and output.
 
-    With `bf16` and both sides at least `BF16_CONV_MIN_CHANNELS` wide (where oneDNN runs bf16),
+    With `bf16_gemm` and both sides at least `BF16_CONV_MIN_CHANNELS` wide (where oneDNN runs bf16),
     it is one bf16 GEMM of the K taps' frames side by side instead (`packed`, the weights in
     oneDNN's layout; float32 out, its bias added in float32), with no Winograd."""
 
@@ -178,7 +178,7 @@ class _Conv:
     def by_bf16_gemm(self, buf: torch.Tensor) -> torch.Tensor:
         """The convolution of [B, history + T, C] `buf` as one bf16 GEMM (`packed`)."""
         assert self.packed is not None
-        b, length, c = buf.shape
+        b, length, _ = buf.shape
         t = length - self.history
         half = buf.to(torch.bfloat16)
         taps = range(0, self.history + 1, self.dilation)
