@@ -17,7 +17,10 @@ for GEMMs:
   reshaped to stride frames: no overlap-add;
 - the wide convolutions (128 channels or more on both sides) run as Winograd's F(4, K): the
   kernel-7 input convolution does 10 GEMMs per 4 frames instead of 28, a two-tap one 5 instead
-  of 8 (float32 rounding of the transforms: ~1e-5 relative on the full-size decoder's output).
+  of 8 (float32 rounding of the transforms: ~1e-5 relative on the full-size decoder's output);
+- with `bf16_convs` (where the CPU multiplies bf16 natively), the widest of them, 256 channels or
+  more on both sides, are one bf16 GEMM each over their taps' frames side by side instead
+  (`BF16_CONV_MIN_CHANNELS`).
 Its streaming state has the same entries as `Mimi.init_decoder_state` with time-major buffers.
 """
 
