@@ -52,12 +52,13 @@ class Ending:
 class Draft:
     """A stream's first clause while its text still comes: the prompt tokens of its text so
     far, prefilled while the caller waits for the clause to end, so that its prompt pass has
-    only the rest to do; and, where the engine has nothing else to run, that text as a whole
-    clause, in case it ends there."""
+    only the rest to do; and, where the engine has nothing else to run, the clause it most
+    likely ends as, prepared whole, in case it ends there."""
 
     tokens: list[int]  # wanted (the caller's side, under the engine lock)
-    # The text so far as a clause (`tokens` and the mark the text preparation ends a clause
-    # with: a wait's cut there, a comma or a period after it are this clause).
+    # The clause it most likely ends as, as the text preparation ends a clause (with a mark: a
+    # wait's cut there, a comma or a period after it are this clause): its text so far, or,
+    # where its wait will run out before more text comes, the wait's cut (`Stream._draft`).
     whole: list[int]
     table: PageTable | None = None  # the voice's pages, then the tokens written (AR thread)
     written: list[int] = field(default_factory=list)  # the tokens whose K/V the table holds

@@ -454,6 +454,16 @@ class ClauseSplitter:
         return self._word_end is not None and has_word(self._buf[: self._word_end])
 
     @property
+    def wait_cut(self) -> str | None:
+        """The first clause the wait would cut if it ran out now, at its last word boundary
+        (`poll`): the text so far less the word still coming. None for the clauses after the
+        first, or with no complete word yet."""
+        if not self._first or not self.holds_words:
+            return None
+        assert self._word_end is not None
+        return self._buf[: self._word_end].strip()
+
+    @property
     def draft(self) -> str | None:
         """The first clause's text so far, while it waits for its end, the word still coming
         included: the text it will most likely start with (None once it is cut, and for the

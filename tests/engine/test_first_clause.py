@@ -512,6 +512,20 @@ def test_the_splitter_drafts_the_first_clause_with_the_word_still_coming(
     assert sp.draft == " Then mo"  # after a flush the next clause is a first clause again
 
 
+def test_the_splitter_says_where_its_wait_would_cut_the_first_clause(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock, first_clause_min_words=50)
+    sp.push(" Your total")
+    assert sp.wait_cut == "Your"  # "total" may go on ("totally")
+    sp.push(" comes to")
+    assert sp.wait_cut == "Your total comes"
+    sp.push(" $42.")
+    assert sp.wait_cut == "Your total comes to"  # "$42." may go on ("$42.50")
+    clock.now += 0.1
+    assert sp.poll() == ["Your total comes to"]  # where it said
+    assert sp.wait_cut is None  # cut: only a first clause waits
+
+
 async def written(stream: Stream) -> None:
     """Until the stream's draft is in its pages."""
     async with asyncio.timeout(30):
@@ -618,7 +632,7 @@ async def test_a_draft_the_clause_parts_from_keeps_only_what_they_share(make_eng
     engine = make_engine(second_voice=False, lead_s=None)
     pages = engine.blocks.pages_in_use
     stream = engine.stream(None, ONE_CLAUSE)
-    engine.stream_host.draft(stream.request, "Your total goes up")
+    engine.stream_host.draft(stream.request, "Your total goes up", "Your total goes up")
     await written(stream)
     stream.push_text(" Your total comes to twelve.")
     stream.end_input()
@@ -845,6 +859,42 @@ async def test_a_first_clause_that_ends_where_its_draft_was_prepared_says_what_i
     np.testing.assert_allclose(
         audio, await said_at_once(engine, " Hi there,", policy), rtol=0, atol=1e-6
     )
+    await wait_idle(engine, pages)
+
+
+async def test_a_first_clause_whose_wait_runs_out_first_is_prepared_where_the_wait_cuts(
+    make_engine,
+):
+    """Tokens 0.5 s apart and a wait of 0.8 s: the next token (at 1 s) would come after the
+    wait runs out, so the draft " Your total" is prepared as the clause the wait cuts, "Your",
+    and that clause starts with the first latent its ending prepared. Tokens that come close
+    together are prepared as the text so far, which the next token most likely ends."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    stream = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=800))
+    stream.push_text(" Your")
+    await asyncio.sleep(0.5)
+    stream.push_text(" total")
+    assert stream.request.draft is not None
+    assert stream.request.draft.whole == plan_clause(engine.loaded, "Your", ONE_CLAUSE).tokens
+    await ending_prepared(stream)
+    events: list = []
+    async with asyncio.timeout(30):
+        first = await next_done(events, stream)
+    assert first.text == "Your"
+    assert stream.metrics.first_step_prepared
+    stream.end_input()
+    async with asyncio.timeout(30):
+        rest = [e.text async for e in stream if isinstance(e, ClauseDone)]
+    assert rest == ["total"]
+    await wait_idle(engine, pages)
+
+    close = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=800))
+    close.push_text(" Your")
+    close.push_text(" total")
+    assert close.request.draft is not None
+    assert close.request.draft.whole == plan_clause(engine.loaded, "Your total", ONE_CLAUSE).tokens
+    close.cancel()
     await wait_idle(engine, pages)
 
 
