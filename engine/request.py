@@ -39,11 +39,14 @@ class Clause:
 
 @dataclass
 class Ending:
-    """A first clause's draft as a whole clause (`Draft.whole`), prepared while the LLM's next
-    token decides whether it ends there: the clause's whole prompt pass, so that a clause that
-    is this one starts with its first latent."""
+    """A clause a first clause's draft may end as (`Draft.wholes`), prepared while the LLM's
+    next tokens decide whether it ends there: the clause's whole prompt pass, so that a clause
+    that is this one starts with its first latent."""
 
     tokens: list[int]  # the clause's prompt tokens
+    # How many of them its table shares with the draft's (pages shared, a partial one copied):
+    # a draft pass that writes again from before there would write its pages.
+    shared: int
     table: PageTable | None = None  # the draft's positions (pages shared), then its own
     first_step: tuple[torch.Tensor, bool] | None = None  # its first latent and EOS flag
 
@@ -52,17 +55,18 @@ class Ending:
 class Draft:
     """A stream's first clause while its text still comes: the prompt tokens of its text so
     far, prefilled while the caller waits for the clause to end, so that its prompt pass has
-    only the rest to do; and, where the engine has nothing else to run, the clause it most
-    likely ends as, prepared whole, in case it ends there."""
+    only the rest to do; and, where the engine has nothing else to run, the clauses it may end
+    as, prepared whole, in case it ends at one."""
 
     tokens: list[int]  # wanted (the caller's side, under the engine lock)
-    # The clause it most likely ends as, as the text preparation ends a clause (with a mark: a
-    # wait's cut there, a comma or a period after it are this clause): its text so far, or,
-    # where its wait will run out before more text comes, the wait's cut (`Stream._draft`).
-    whole: list[int]
+    # The clauses it may end as, as the text preparation ends a clause (with a mark: a wait's
+    # cut there, a comma or a period after it are this clause), most likely first: its text
+    # so far, which the next token most often ends; and, while its wait runs, the wait's cut,
+    # a word shorter, where the wait runs out first (`Stream._draft`).
+    wholes: list[list[int]]
     table: PageTable | None = None  # the voice's pages, then the tokens written (AR thread)
     written: list[int] = field(default_factory=list)  # the tokens whose K/V the table holds
-    ending: Ending | None = None  # `whole` prepared (AR thread)
+    endings: list[Ending] = field(default_factory=list)  # of `wholes`, prepared (AR thread)
 
 
 @dataclass

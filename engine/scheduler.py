@@ -54,6 +54,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager, PageTable
@@ -253,7 +254,7 @@ class Scheduler:
             prompt = self.runner.prompt_embeddings(tokens[drafted:], request.tail)
             if drafted:
                 assert draft is not None and draft.table is not None
-                self.release_ending(draft)  # it shares pages the clause writes again
+                self.release_endings(draft)  # they share pages the clause writes again
                 table = draft.table
                 self.blocks.truncate(draft.table, voice.length + drafted)
             else:
@@ -276,12 +277,14 @@ class Scheduler:
         return True
 
     def _take_ending(self, draft: Draft | None, tokens: list[int]) -> Ending | None:
-        """The draft's prepared ending, taken out of it, if it is the clause of `tokens`."""
-        ending = draft.ending if draft is not None else None
-        if ending is None or ending.tokens != tokens or ending.first_step is None:
-            return None
-        draft.ending = None
-        return ending
+        """The draft's prepared ending that is the clause of `tokens`, taken out of it, if
+        there is one."""
+        endings = draft.endings if draft is not None else []
+        for ending in endings:
+            if ending.tokens == tokens and ending.first_step is not None:
+                endings.remove(ending)
+                return ending
+        return None
 
     def _clause_table(
         self, voice: PageTable, final: int, table: PageTable | None
@@ -328,23 +331,29 @@ class Scheduler:
 
     def release_draft(self, draft: Draft | None) -> None:
         if draft is not None and draft.table is not None:
-            self.release_ending(draft)
+            self.release_endings(draft)
             self.blocks.release(draft.table)
             draft.table = None
             draft.written = []
 
-    def release_ending(self, draft: Draft) -> None:
-        """Give back the pages of the draft's ending (before its own pages are written again:
-        they share them)."""
-        if draft.ending is not None and draft.ending.table is not None:
-            self.blocks.release(draft.ending.table)
-        draft.ending = None
+    def release_endings(
+        self, draft: Draft, keep: Callable[[Ending], bool] = lambda _: False
+    ) -> None:
+        """Give back the pages of the draft's endings but those `keep` says (before pages they
+        share with the draft are written again, or where they are no longer wanted)."""
+        kept = []
+        for ending in draft.endings:
+            if keep(ending):
+                kept.append(ending)
+            elif ending.table is not None:
+                self.blocks.release(ending.table)
+        draft.endings = kept
 
     def drafts(self) -> tuple[list[DraftPass], list[EndingPass]]:
         """The passes that bring the drafts of streams with no row yet up to their tokens,
         each table truncated to what its tokens share with what it holds and grown by the
-        rest, and, where no stream holds a row, one stream's ending (`ending_pass`). A draft or
-        an ending the pool has no pages for waits (it is only a head start)."""
+        rest, and, where no stream holds a row, one of a stream's endings (`ending_pass`). A
+        draft or an ending the pool has no pages for waits (it is only a head start)."""
         passes = []
         endings: list[EndingPass] = []
         for request in self.idle.values():
@@ -355,9 +364,11 @@ class Scheduler:
                 if not endings:
                     endings = self.ending_pass(request, len(draft.written))
                 continue
-            self.release_ending(draft)  # it shares pages this pass may write again
             voice = self.voices[request.voice].table
             assert voice is not None, "a stream's voice stays resident while it is open"
+            kept = common_prefix(draft.written, draft.tokens)
+            # The endings that share pages this pass writes again go.
+            self.release_endings(draft, lambda ending, kept=kept: ending.shared <= kept)
             if draft.table is None:
                 try:
                     draft.table = self._share(voice, voice.length + len(draft.tokens))
@@ -369,7 +380,6 @@ class Scheduler:
                     continue
             elif not self.blocks.reserve(draft.table, voice.length + len(draft.tokens)):
                 continue
-            kept = common_prefix(draft.written, draft.tokens)
             self.blocks.truncate(draft.table, voice.length + kept)
             draft.written = draft.written[:kept]
             if not endings:
@@ -382,21 +392,21 @@ class Scheduler:
         return passes, endings
 
     def ending_pass(self, request: Request, written: int) -> list[EndingPass]:
-        """The pass that prepares `request`'s draft as a whole clause (`Draft.whole`), if it is
-        not prepared (a list of one, or none): on a table that shares the draft table's first
-        positions, as far as the draft's first `written` tokens start it (one token always
-        left), grown by the rest and its first AR step. None while a stream holds a row: the
-        pass would delay its steps."""
+        """The pass that prepares the first of `request`'s draft's clauses (`Draft.wholes`)
+        not prepared (a list of one, or none), its endings of clauses no longer wanted given
+        back: on a table that shares the draft table's first positions, as far as the draft's
+        first `written` tokens start it (one token always left), grown by the rest and its
+        first AR step. None while a stream holds a row: the pass would delay its steps."""
         draft = request.draft
         if self.running or draft is None or draft.table is None:
             return []
-        if draft.ending is not None:
-            if draft.ending.tokens == draft.whole:
-                return []
-            self.release_ending(draft)
+        self.release_endings(draft, lambda ending: ending.tokens in draft.wholes)
+        prepared = [ending.tokens for ending in draft.endings]
+        tokens = next((whole for whole in draft.wholes if whole not in prepared), None)
+        if tokens is None:
+            return []
         voice = self.voices[request.voice].table
         assert voice is not None, "a stream's voice stays resident while it is open"
-        tokens = draft.whole
         kept = min(common_prefix(draft.written[:written], tokens), len(tokens) - 1)
         prefix = PageTable(draft.table.pages, voice.length + kept)
         try:
@@ -407,8 +417,9 @@ class Scheduler:
         if table is None:
             return []
         self.blocks.extend(table, len(tokens) - kept + 1)
-        draft.ending = Ending(list(tokens), table)
-        return [EndingPass(request, draft.ending, kept)]
+        ending = Ending(list(tokens), kept, table)
+        draft.endings.append(ending)
+        return [EndingPass(request, ending, kept)]
 
     def end_clause(self, request: Request) -> None:
         if request.table is not None:

@@ -157,27 +157,30 @@ class StreamHost:
             )
         return plan
 
-    def draft(self, request: Request, text: str, ending: str) -> None:
-        """The text of `request`'s first clause so far, before it is cut, and where it most
-        likely ends (`Stream._draft`): their prompt pass may begin now (`Draft`). Only a head
-        start: text that cannot be planned has none (its clause says why when it is cut)."""
+    def draft(self, request: Request, text: str, wait_cut: str | None) -> None:
+        """The text of `request`'s first clause so far, before it is cut, and, while its wait
+        runs, where the wait would cut it (`Stream._draft`): their prompt passes may begin now
+        (`Draft`). Only a head start: text that cannot be planned has none (its clause says why
+        when it is cut)."""
         try:
-            plan = self.plan(request, text)
-            whole = plan if ending == text else self.plan(request, ending)
+            plans = [self.plan(request, text)]
+            if wait_cut is not None and wait_cut != text.strip():
+                plans.append(self.plan(request, wait_cut))
         except ValueError:
             return
         # The last token is the mark the text preparation ends a clause with, where the rest
         # of this clause's words will go.
-        tokens = plan.tokens[:-1]
+        tokens = plans[0].tokens[:-1]
         if not tokens:
             return
+        wholes = [plan.tokens for plan in plans]
         with self.lock:
             if request.frames_generated or request.pending or request.phase is not Phase.WAITING:
                 return  # the clause is cut (or the stream over): the draft is too late
             if request.draft is None:
-                request.draft = Draft(tokens, whole.tokens)
+                request.draft = Draft(tokens, wholes)
             else:
-                request.draft.tokens, request.draft.whole = tokens, whole.tokens
+                request.draft.tokens, request.draft.wholes = tokens, wholes
             self.lock.notify_all()
 
     def submit(self, request: Request, clauses: list[Clause], end: bool) -> None:
@@ -227,12 +230,8 @@ class Stream:
         self._chars = 0
         self._clauses = 0
         self._has_text = False
-        # The first clause's text and likely end last given as its draft.
-        self._drafted: tuple[str, str] | None = None
-        # When text last came, by the splitter's clock, and the gap before it: when the next
-        # text is likely to come.
-        self._text_at: float | None = None
-        self._text_gap: float | None = None
+        # The first clause's text so far and its wait's cut, last given as its draft.
+        self._drafted: tuple[str, str | None] | None = None
         # The first clause, queued before the text confirmed where it ends (`_guess`), and
         # its events, held back until the text does.
         self._guessed: str | None = None
@@ -265,10 +264,6 @@ class Stream:
         self._check_length(len(text))
         self._chars += len(text)
         self._has_text |= bool(text.strip())
-        t = self._splitter.clock()
-        if self._text_at is not None:
-            self._text_gap = t - self._text_at
-        self._text_at = t
         self._submit(self._splitter.push(text))
         self._draft()
         self._guess()
@@ -293,26 +288,19 @@ class Stream:
 
     def _draft(self) -> None:
         """Give the engine the first clause's text so far, before the clause is cut, and
-        where it most likely ends: its prompt pass begins while the caller waits for the
-        clause's end (`Draft`).
-
-        The next token most often ends the word still coming, or the clause with a mark, so
-        the clause is most likely the text so far; but where that token, as far apart as the
-        last two, would come only after the wait runs out, the wait cuts the clause first, a
-        word shorter ("Your total comes" of "Your total comes to")."""
+        where its wait would cut it: its prompt pass begins while the caller waits for the
+        clause's end, and the clauses it may end as are prepared (`Draft`). The next token
+        most often ends the word still coming, or the clause with a mark; where the wait runs
+        out first, it cuts the clause a word shorter ("Your total comes" of "Your total comes
+        to"), and at 40 tokens/s a 100 ms wait and the fifth token come together."""
         text = self._splitter.draft
         if self._clauses or text is None:
             return
-        ending = text
-        cut, deadline = self._splitter.wait_cut, self._splitter.deadline
-        if cut is not None and deadline is not None and self._text_gap is not None:
-            assert self._text_at is not None
-            if self._text_at + self._text_gap >= deadline:
-                ending = cut
-        if (text, ending) == self._drafted:
+        drafted = (text, self._splitter.wait_cut if self._splitter.deadline is not None else None)
+        if drafted == self._drafted:
             return
-        self._drafted = (text, ending)
-        self._host.draft(self.request, text, ending)
+        self._drafted = drafted
+        self._host.draft(self.request, *drafted)
 
     def _guess(self) -> None:
         """Queue the first clause as soon as one more space would end it ("Okay." before the

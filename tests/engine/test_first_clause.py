@@ -16,7 +16,7 @@ import pytest
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions, Stream
 from intone.engine.errors import EngineClosedError, InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
-from intone.engine.request import Request
+from intone.engine.request import Draft, Ending, Request
 from intone.engine.text import ClauseSplitter, plan_clause, split_clauses
 
 from support.checkpoints import checkpoint
@@ -825,15 +825,18 @@ async def test_a_confirmed_guess_keeps_the_clauses_in_order(make_engine):
 
 
 async def ending_prepared(stream: Stream) -> None:
-    """Until the stream's draft is written and prepared as a whole clause."""
+    """Until the stream's draft is written and prepared as the clause it most likely ends as."""
     async with asyncio.timeout(30):
         while True:
             draft = stream.request.draft
-            if draft is not None and draft.written == draft.tokens:
-                ending = draft.ending
-                if ending is not None and ending.tokens == draft.whole and ending.first_step:
-                    return
+            if draft and draft.written == draft.tokens and prepared(draft, draft.wholes[0]):
+                return
             await asyncio.sleep(0.002)
+
+
+def prepared(draft: Draft, tokens: list[int]) -> Ending | None:
+    """The draft's ending that prepared the clause of `tokens`, if one has."""
+    return next((e for e in draft.endings if e.tokens == tokens and e.first_step), None)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -862,39 +865,38 @@ async def test_a_first_clause_that_ends_where_its_draft_was_prepared_says_what_i
     await wait_idle(engine, pages)
 
 
-async def test_a_first_clause_whose_wait_runs_out_first_is_prepared_where_the_wait_cuts(
+async def test_a_first_clause_is_prepared_both_where_its_next_token_and_its_wait_may_end_it(
     make_engine,
 ):
-    """Tokens 0.5 s apart and a wait of 0.8 s: the next token (at 1 s) would come after the
-    wait runs out, so the draft " Your total" is prepared as the clause the wait cuts, "Your",
-    and that clause starts with the first latent its ending prepared. Tokens that come close
-    together are prepared as the text so far, which the next token most likely ends."""
+    """ " Your", prepared as the clause "Your"; then " total": the draft is prepared as "Your
+    total" (the next token most often ends the word), and "Your", where the wait cuts it if
+    it runs out first, stays prepared. The wait runs out: the clause "Your" starts with the
+    first latent prepared before " total" came, and says what it says at once."""
     engine = make_engine(second_voice=False, lead_s=None)
     pages = engine.blocks.pages_in_use
-    stream = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=800))
+    policy = options(first_clause_min_words=50, first_clause_max_wait_ms=1000)
+    stream = engine.stream(None, policy)
     stream.push_text(" Your")
-    await asyncio.sleep(0.5)
-    stream.push_text(" total")
-    assert stream.request.draft is not None
-    assert stream.request.draft.whole == plan_clause(engine.loaded, "Your", ONE_CLAUSE).tokens
     await ending_prepared(stream)
+    draft = stream.request.draft
+    assert draft is not None
+    your = plan_clause(engine.loaded, "Your", policy).tokens
+    ending = prepared(draft, your)
+    assert ending is not None
+    stream.push_text(" total")
+    assert draft.wholes == [plan_clause(engine.loaded, "Your total", policy).tokens, your]
+    await ending_prepared(stream)
+    assert prepared(draft, your) is ending  # kept, not prepared again
     events: list = []
-    async with asyncio.timeout(30):
-        first = await next_done(events, stream)
+    first = await next_done(events, stream)  # the wait's cut
     assert first.text == "Your"
     assert stream.metrics.first_step_prepared
     stream.end_input()
-    async with asyncio.timeout(30):
-        rest = [e.text async for e in stream if isinstance(e, ClauseDone)]
-    assert rest == ["total"]
-    await wait_idle(engine, pages)
-
-    close = engine.stream(None, options(first_clause_min_words=50, first_clause_max_wait_ms=800))
-    close.push_text(" Your")
-    close.push_text(" total")
-    assert close.request.draft is not None
-    assert close.request.draft.whole == plan_clause(engine.loaded, "Your total", ONE_CLAUSE).tokens
-    close.cancel()
+    await spoken(stream)
+    first_audio = np.concatenate([e.samples for e in events if isinstance(e, AudioChunk)])
+    np.testing.assert_allclose(
+        first_audio, await said_at_once(engine, " Your", policy), rtol=0, atol=1e-6
+    )
     await wait_idle(engine, pages)
 
 
@@ -924,6 +926,6 @@ async def test_a_stream_cancelled_with_its_ending_prepared_leaves_no_pages(make_
     stream = engine.stream(None, options(first_clause_max_wait_ms=10_000))
     stream.push_text(" Hi there")
     await ending_prepared(stream)
-    assert stream.request.draft is not None and stream.request.draft.ending is not None
+    assert stream.request.draft is not None and stream.request.draft.endings
     stream.cancel()
     await wait_idle(engine, pages)
