@@ -121,6 +121,10 @@ HEADROOM = 0.7
 VOICE_LOAD_TRIES = 3
 # Characters `push_long_text` plans between yields to the loop: 10-25 ms of planning.
 PUSH_PIECE_CHARS = 500
+# Text that comes this close to the end of its first clause's wait is not drafted
+# (`Stream._draft`): the clauses the draft so far prepares are those the wait's cut or a mark
+# gives, and a pass for it would hold up the cut (a prompt pass, full size on 2 cores: 15 ms).
+DRAFT_BEFORE_WAIT_ENDS_S = 0.015
 
 
 @dataclass

@@ -22,7 +22,7 @@ from functools import partial
 
 import numpy as np
 
-from intone.engine.config import PUSH_PIECE_CHARS, EngineConfig
+from intone.engine.config import DRAFT_BEFORE_WAIT_ENDS_S, PUSH_PIECE_CHARS, EngineConfig
 from intone.engine.errors import (
     EmptyTextError,
     InvalidOptionError,
@@ -296,7 +296,14 @@ class Stream:
         text = self._splitter.draft
         if self._clauses or text is None:
             return
-        drafted = (text, self._splitter.wait_cut if self._splitter.deadline is not None else None)
+        deadline = self._splitter.deadline
+        if (
+            deadline is not None
+            and self._drafted is not None
+            and deadline - self._splitter.clock() < DRAFT_BEFORE_WAIT_ENDS_S
+        ):
+            return  # the cut comes before a pass could help it (`DRAFT_BEFORE_WAIT_ENDS_S`)
+        drafted = (text, self._splitter.wait_cut if deadline is not None else None)
         if drafted == self._drafted:
             return
         self._drafted = drafted

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions, Stream
+from intone.engine.config import DRAFT_BEFORE_WAIT_ENDS_S
 from intone.engine.errors import EngineClosedError, InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
 from intone.engine.request import Draft, Ending, Request
@@ -897,6 +898,25 @@ async def test_a_first_clause_is_prepared_both_where_its_next_token_and_its_wait
     np.testing.assert_allclose(
         first_audio, await said_at_once(engine, " Your", policy), rtol=0, atol=1e-6
     )
+    await wait_idle(engine, pages)
+
+
+async def test_text_that_comes_as_the_wait_ends_is_not_drafted(make_engine):
+    """A pass for it would hold up the wait's cut, which what is drafted already prepares."""
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = engine.blocks.pages_in_use
+    wait_ms = 1000 * DRAFT_BEFORE_WAIT_ENDS_S / 2
+    policy = options(first_clause_min_words=50, first_clause_max_wait_ms=wait_ms)
+    stream = engine.stream(None, policy)
+    stream.push_text(" Your")
+    stream.push_text(" total")
+    draft = stream.request.draft
+    assert draft is not None
+    assert draft.wholes == [plan_clause(engine.loaded, "Your", policy).tokens]
+    first = await next_done([], stream)
+    assert first.text == "Your"
+    stream.end_input()
+    await spoken(stream)
     await wait_idle(engine, pages)
 
 
