@@ -125,6 +125,11 @@ PUSH_PIECE_CHARS = 500
 # (`Stream._draft`): the clauses the draft so far prepares are those the wait's cut or a mark
 # gives, and a pass for it would hold up the cut (a prompt pass, full size on 2 cores: 15 ms).
 DRAFT_BEFORE_WAIT_ENDS_S = 0.015
+# How much longer a first clause's wait runs while the clause guessed from its text ("Let me
+# see." before the whitespace that tells it from "see.com") waits for that whitespace
+# (`Stream._guess`): the next token most often brings it, and the guess's audio is on its way,
+# where the wait's cut, a word earlier ("Let me"), would part from the guess and start over.
+GUESS_GRACE_S = 0.05
 
 
 @dataclass

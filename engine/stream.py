@@ -22,7 +22,12 @@ from functools import partial
 
 import numpy as np
 
-from intone.engine.config import DRAFT_BEFORE_WAIT_ENDS_S, PUSH_PIECE_CHARS, EngineConfig
+from intone.engine.config import (
+    DRAFT_BEFORE_WAIT_ENDS_S,
+    GUESS_GRACE_S,
+    PUSH_PIECE_CHARS,
+    EngineConfig,
+)
 from intone.engine.errors import (
     EmptyTextError,
     InvalidOptionError,
@@ -313,13 +318,15 @@ class Stream:
         """Queue the first clause as soon as one more space would end it ("Okay." before the
         " Let" that follows): an LLM's next token most often starts with one, and the caller
         would wait that token for audio that can already be on its way. Its events are held
-        until the text confirms the clause (`_settle`)."""
+        until the text confirms the clause (`_settle`), and the clause's wait gives that text
+        `GUESS_GRACE_S` more to come."""
         if self._clauses or self._closed:
             return
         text = self._splitter.likely_clause
         if text is None:
             return
         self._guessed = text
+        self._splitter.extend_wait(GUESS_GRACE_S)
         self._queue([text])
 
     def _settle(self, texts: list[str]) -> list[str]:
@@ -339,6 +346,7 @@ class Stream:
             return texts  # not decided yet
         self._guessed = None
         self._held.clear()
+        self._splitter.extend_wait(0.0)
         replaced = self.request.id
         try:
             self.request = self._host.reseat(self)

@@ -393,10 +393,10 @@ class ClauseSplitter:
     `first_clause_min_words` words, and a comma, semicolon, "!", "?" or "\u2026" right after a
     word of letters ends it at once ("Hmm," "Sure!"), without the whitespace after it (what
     follows it, a closing quote say, goes with the next clause; more marks, the "!" of
-    "Really?!", with none). If none comes within `first_clause_max_wait_ms` of
-    its first text (by `clock`, in seconds), it ends at its last word boundary then (`poll()`,
-    which a caller runs at `deadline`; `push` also checks), or, with no complete word yet, at
-    the next word end. None: no wait limit.
+    "Really?!", with none). If none comes within `first_clause_max_wait_ms` of its first text
+    (by `clock`, in seconds; `extend_wait` lets it run longer), it ends at its last word
+    boundary then (`poll()`, which a caller runs at `deadline`; `push` also checks), or, with no
+    complete word yet, at the next word end. None: no wait limit.
     """
 
     def __init__(
@@ -439,6 +439,9 @@ class ClauseSplitter:
         self._counts: dict[int, int] = {}  # token count of _buf[:j], per j, for this clause
         self._first = True
         self._first_text_at: float | None = None  # when the first clause's first text came
+        self._wait_extended = (
+            0.0  # seconds the first clause's wait runs past its own (`extend_wait`)
+        )
         self._mark_run = False  # an early cut at a sentence mark: more marks may follow
 
     @property
@@ -446,7 +449,12 @@ class ClauseSplitter:
         """When (by `clock`) the first clause's wait runs out; None if no wait is running."""
         if not self._first or self._first_text_at is None or self.first_clause_max_wait_ms is None:
             return None
-        return self._first_text_at + self.first_clause_max_wait_ms / 1000
+        return self._first_text_at + self.first_clause_max_wait_ms / 1000 + self._wait_extended
+
+    def extend_wait(self, seconds: float) -> None:
+        """Let the first clause's wait run `seconds` past `first_clause_max_wait_ms` (for a
+        caller that has started the clause the next whitespace would end: `Stream._guess`)."""
+        self._wait_extended = seconds
 
     @property
     def holds_words(self) -> bool:
@@ -529,6 +537,7 @@ class ClauseSplitter:
         out = self._scan(final=True)
         self._first = True
         self._first_text_at = None
+        self._wait_extended = 0.0
         return out
 
     def end(self) -> list[str]:

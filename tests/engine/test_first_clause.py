@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, GenerationOptions, Stream
+from intone.engine import stream as stream_module
 from intone.engine.config import DRAFT_BEFORE_WAIT_ENDS_S
 from intone.engine.errors import EngineClosedError, InvalidOptionError
 from intone.engine.loading import LoadedModel, load_model
@@ -724,6 +725,44 @@ def test_a_guessed_first_clause_is_the_one_a_space_ends(tiny_model: LoadedModel,
             continue
         rest = "".join(tokens[n:])
         assert (sp.push(rest)[:1] == [guess]) == rest[:1].isspace(), (tokens[:n], rest)
+
+
+def test_an_extended_wait_lets_the_text_end_the_first_clause_later(tiny_model: LoadedModel):
+    clock = Clock()
+    sp = splitter(tiny_model, clock)
+    assert sp.push(" Let me see.") == []
+    sp.extend_wait(0.05)
+    clock.now += 0.12
+    assert sp.poll() == []  # the wait runs on
+    assert sp.push(" The") == ["Let me see."]  # the whitespace ends it at its period
+    sp.flush()
+    sp.push(" Let me see.")
+    clock.now += 0.12
+    assert sp.poll() == ["Let me"]  # a flush ended the extension: its wait ran out
+
+
+@pytest.mark.parametrize("grace_s, first", [(10.0, "Let me see."), (0.0, "Let me")])
+async def test_a_guess_pending_as_the_wait_ends_gives_its_text_the_grace(
+    make_engine, monkeypatch, grace_s: float, first: str
+):
+    """ "Let me see." is guessed; the wait runs out before the whitespace after it comes. With
+    `GUESS_GRACE_S` to spare, the whitespace confirms the guess (its audio was on its way);
+    with none, the wait cuts a word earlier and the guess goes unheard."""
+    monkeypatch.setattr(stream_module, "GUESS_GRACE_S", grace_s)
+    engine = make_engine(second_voice=False, lead_s=None)
+    pages = voice_pages(engine)
+    stream = engine.stream(None, options(first_clause_max_wait_ms=50))
+    guessed = stream.request
+    for token in llm_tokens("Let me see."):
+        stream.push_text(token)
+    await asyncio.sleep(0.2)
+    stream.push_text(" The end.")
+    stream.end_input()
+    async with asyncio.timeout(30):
+        said = [e.text async for e in stream if isinstance(e, ClauseDone)]
+    assert said[0] == first
+    assert (stream.request is guessed) == (first == "Let me see.")
+    await wait_idle(engine, pages)
 
 
 async def heard_after_guess(engine: Engine, before: str, after: str) -> tuple[Stream, Request]:
