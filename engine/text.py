@@ -439,9 +439,8 @@ class ClauseSplitter:
         self._counts: dict[int, int] = {}  # token count of _buf[:j], per j, for this clause
         self._first = True
         self._first_text_at: float | None = None  # when the first clause's first text came
-        self._wait_extended = (
-            0.0  # seconds the first clause's wait runs past its own (`extend_wait`)
-        )
+        # Seconds the first clause's wait runs past `first_clause_max_wait_ms` (`extend_wait`).
+        self._wait_extended = 0.0
         self._mark_run = False  # an early cut at a sentence mark: more marks may follow
 
     @property
