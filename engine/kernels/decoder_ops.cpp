@@ -38,6 +38,7 @@ using intone::exp_nonpositive;
 using intone::floats;
 using intone::ints;
 using intone::map_floats;
+using intone::prefetch;
 
 /* Queries per block: the lanes of one vector. */
 constexpr int64_t QB = intone::LANES;
@@ -45,6 +46,13 @@ constexpr int64_t QB = intone::LANES;
 constexpr int64_t KB = 8;
 /* Value dims per pass of the output loop: accumulators in registers. */
 constexpr int64_t DB = 16;
+/* A row's ring is read a head at a time: for each slot, one head's D floats, then the next
+ * slot's, a ring-row (all heads) further on; strides the hardware prefetcher does not pick up.
+ * So the keys and values this many slots on are asked for while a slot's are used. Full-size
+ * decoder (8 rows x 32 queries x 8 heads, 313 slots), one Xeon core, the ring out of cache as it
+ * is between a call's layers: 2.7 ms a layer against 4.5 (in cache 1.9 against 2.2); the 2M
+ * decoder's (25 rows x 16 x 4 heads of 32): 0.81 against 1.01. */
+constexpr int64_t PREFETCH_SLOTS = 16;
 
 /* Whether a [B, T, C] tensor's rows (its last two dims) are contiguous: the decoder's
  * activations are such views of wider buffers (a convolution's history in front). */
@@ -103,6 +111,8 @@ void attend_block(const floats* qt, const float* keys, const float* values, int6
     floats acc[KB] = {};
     const float* k[KB];
     for (int64_t c = 0; c < KB; c++) k[c] = keys + slots[j0 + (c < nk ? c : 0)] * slot_stride;
+    for (int64_t c = j0 + PREFETCH_SLOTS; c < j0 + PREFETCH_SLOTS + KB && c < count; c++)
+      prefetch(keys + slots[c] * slot_stride, dim * sizeof(float));
     for (int64_t d = 0; d < dim; d++) {
       const floats qd = qt[d];
       for (int64_t c = 0; c < KB; c++) acc[c] += k[c][d] * qd;
@@ -127,6 +137,8 @@ void attend_block(const floats* qt, const float* keys, const float* values, int6
     if (nd == DB) {
       for (int64_t j = 0; j < count; j++) {
         const float* v = values + slots[j] * slot_stride + d0;
+        if (d0 == 0 && j + PREFETCH_SLOTS < count)  // the first pass reaches every slot first
+          prefetch(values + slots[j + PREFETCH_SLOTS] * slot_stride, dim * sizeof(float));
         const floats p = scores[j];
         for (int64_t dd = 0; dd < DB; dd++) acc[dd] += v[dd] * p;
       }

@@ -42,6 +42,7 @@ namespace {
 using intone::exp_nonpositive;
 using intone::floats;
 using intone::LANES;
+using intone::prefetch;
 
 /* scores[t] <- e^(scores[t] - top) for t < n (every score <= top); returns their sum. */
 float exp_shifted(float* scores, int64_t n, float top) {
@@ -117,10 +118,6 @@ constexpr int64_t HEAD_VECTORS = 16;
  * are asked for: full size, 6 layers of 16 rows x 150 positions in float16, 3.6-5.4 ms against
  * 7.2-8.5 (Xeon, one core). */
 constexpr int64_t PREFETCH_KEYS = 8;
-
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
-}
 
 /* attend_head over float16 keys and values [length, dim], for dim a multiple of LANES of at
  * most HEAD_VECTORS vectors: a key's dot product and a value's sum a vector at a time. */

@@ -39,6 +39,11 @@ inline floats exp_nonpositive(floats x) {
   return p * (floats)bits;
 }
 
+/* Asks for the cache lines of `bytes` bytes from p on, ahead of their use. */
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+
 /* out[i] = f(in[i]) for n floats, a vector at a time; the tail through a zero-padded one. */
 template <typename F>
 void map_floats(const float* in, float* out, int64_t n, F f) {
