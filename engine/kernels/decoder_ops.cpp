@@ -137,7 +137,8 @@ void attend_block(const floats* qt, const float* keys, const float* values, int6
     if (nd == DB) {
       for (int64_t j = 0; j < count; j++) {
         const float* v = values + slots[j] * slot_stride + d0;
-        if (d0 == 0 && j + PREFETCH_SLOTS < count)  // the first pass reaches every slot first
+        /* The first pass over the dims is the first to reach each slot. */
+        if (d0 == 0 && j + PREFETCH_SLOTS < count)
           prefetch(values + slots[j + PREFETCH_SLOTS] * slot_stride, dim * sizeof(float));
         const floats p = scores[j];
         for (int64_t dd = 0; dd < DB; dd++) acc[dd] += v[dd] * p;
