@@ -77,6 +77,13 @@ def winograd_matrices(m: int, r: int) -> tuple[torch.Tensor, torch.Tensor, torch
 # transforms amplify the rounding). bench/results/cpu-2core-xeon-amx-2026-12-07/README.md.
 BF16_CONV_MIN_CHANNELS = 256
 
+# Convolutions with at most this many weights (K x Cin x Cout floats, a quarter of a 2 MB L2)
+# and no Winograd tile or bf16 GEMM for a call run as decoder_ops' direct convolution: the
+# SEANet's narrow layers (12-96 channels at 480-1920 steps a frame), where K GEMMs of a few dozen
+# columns run at a fraction of a core's rate and the history and ELU cost passes of their own.
+# 2M decoder, 29 rows x 1 frame on one Xeon core: its SEANet's convolutions 12.5 against 16.8 ms.
+DIRECT_CONV_MAX_WEIGHTS = 1 << 17
+
 
 def winograd_tile(in_channels: int, out_channels: int) -> int:
     """F(4, K) where it pays on a CPU. Measured per layer (full-size and 2M decoders, one
@@ -117,6 +124,8 @@ class _Conv:
         self.in_channels = weights.shape[1]
         self.elu = elu
         self.native = native  # the ELU through decoder_ops' operator
+        # Through decoder_ops' direct convolution where no bf16 GEMM or Winograd tile serves it.
+        self.direct = native and weights.numel() <= DIRECT_CONV_MAX_WEIGHTS
         self.tile = tile if dilation == 1 and weights.shape[0] > 1 else 1
         self.packed: torch.Tensor | None = None
         taps, cin, cout = weights.shape
@@ -124,7 +133,7 @@ class _Conv:
             # Tap k's input channels at columns k * Cin ... of the taps side by side.
             weight = weights.reshape(taps * cin, cout).t().to(torch.bfloat16).contiguous()
             if bf16.packs(weight):
-                self.packed, self.tile = bf16.pack(weight), 1
+                self.packed, self.tile, self.direct = bf16.pack(weight), 1, False
         if self.tile > 1:
             out_t, g, in_t = winograd_matrices(self.tile, weights.shape[0])
             self.output_transform, self.input_transform = out_t, in_t
@@ -189,7 +198,20 @@ class _Conv:
         y = bf16.product(frames, self.packed).to(torch.float32).view(b, t, -1)
         return y if self.bias is None else y.add_(self.bias)
 
-    def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, state: State, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The convolution of `x` [B, T, Cin], plus `residual` [B, T, Cout] where given."""
+        winograd = self.tile > 1 and x.shape[1] % self.tile == 0
+        if self.direct and not winograd:
+            history = state[self.key] if self.history else None
+            return torch.ops.intone.causal_conv(
+                x, history, self.weights, self.bias, self.dilation, self.elu, residual
+            )
+        y = self._by_gemms(x, state, winograd)
+        return y if residual is None else y.add_(residual)
+
+    def _by_gemms(self, x: torch.Tensor, state: State, winograd: bool) -> torch.Tensor:
         b, t, _ = x.shape
         if self.history == 0:
             if self.elu:
@@ -200,7 +222,7 @@ class _Conv:
         buf = self.with_history(x, state)
         if self.packed is not None:
             return self.by_bf16_gemm(buf)
-        if self.tile > 1 and t % self.tile == 0:
+        if winograd:
             return self.winograd(buf)
         length = buf.shape[1]
         flat = buf.view(b * length, -1)
@@ -298,10 +320,8 @@ class _ResBlock:
         return state
 
     def __call__(self, x: torch.Tensor, state: State) -> torch.Tensor:
-        y = x
-        for conv in self.convs:
-            y = conv(y, state)
-        return x + y
+        first, second = self.convs
+        return second(first(x, state), state, residual=x)
 
 
 def _convs(layer: _Conv | _ConvTranspose | _ResBlock) -> list[_Conv]:

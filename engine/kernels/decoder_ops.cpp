@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,11 @@ namespace {
 
 using intone::exp_nonpositive;
 using intone::floats;
+using intone::LANES;
+using intone::load_first;
+using intone::load_floats;
+using intone::store_first;
+using intone::sum_lanes;
 using intone::ints;
 using intone::map_floats;
 using intone::prefetch;
@@ -246,11 +252,188 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& keys, const at:
   return out;
 }
 
+/* Output vectors per register block of `causal_conv`: wider layers run in chunks this wide. */
+constexpr int64_t CONV_VECTORS = 4;
+
+/* One row's outputs y [steps, cout], channels [c0, c0 + V * LANES): y[t] = bias + the sum over
+ * taps k and input channels ci of buf[t + k * dilation][ci] * w[k][ci], plus residual[t] where
+ * given. J steps at a time, their J x V accumulators in registers: each input value is
+ * broadcast against V weight vectors. buf rows are `cin` floats, w rows (one per tap and input
+ * channel) `wstride`; the last block's extra steps read zero rows past buf's end and are not
+ * stored. (The loops over J and V are unrolled so that GCC keeps the accumulators in registers.) */
+template <int V, int J>
+void conv_row(const float* buf, int64_t steps, int64_t cin, int64_t taps, int64_t dilation,
+              const float* w, int64_t wstride, const float* bias, int64_t c0, int64_t cout,
+              const float* residual, float* out) {
+  floats b[V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; v++) b[v] = load_floats(bias + c0 + v * LANES);
+  const int64_t width = std::min<int64_t>(V * LANES, cout - c0);
+  for (int64_t t0 = 0; t0 < steps; t0 += J) {
+    floats acc[J][V];
+#pragma GCC unroll 16
+    for (int j = 0; j < J; j++)
+#pragma GCC unroll 8
+      for (int v = 0; v < V; v++) acc[j][v] = b[v];
+    for (int64_t k = 0; k < taps; k++) {
+      const float* in = buf + (t0 + k * dilation) * cin;
+      const float* wk = w + k * cin * wstride + c0;
+      for (int64_t ci = 0; ci < cin; ci++) {
+        floats wv[V];
+#pragma GCC unroll 8
+        for (int v = 0; v < V; v++) wv[v] = load_floats(wk + ci * wstride + v * LANES);
+#pragma GCC unroll 16
+        for (int j = 0; j < J; j++) {
+          const float s = in[j * cin + ci];
+#pragma GCC unroll 8
+          for (int v = 0; v < V; v++) acc[j][v] += s * wv[v];
+        }
+      }
+    }
+    const int64_t nj = std::min<int64_t>(J, steps - t0);
+#pragma GCC unroll 16
+    for (int j = 0; j < J; j++) {
+      if (j >= nj) break;
+      float* o = out + (t0 + j) * cout + c0;
+      const float* r = residual == nullptr ? nullptr : residual + (t0 + j) * cout + c0;
+#pragma GCC unroll 8
+      for (int v = 0; v < V; v++) {
+        const int64_t n = std::min<int64_t>(LANES, width - v * LANES);
+        if (n <= 0) break;
+        floats y = acc[j][v];
+        if (n == LANES) {
+          if (r != nullptr) y += load_floats(r + v * LANES);
+          std::memcpy(o + v * LANES, &y, sizeof y);
+        } else {
+          if (r != nullptr) y += load_first(r + v * LANES, n);
+          store_first(o + v * LANES, y, n);
+        }
+      }
+    }
+  }
+}
+
+/* `conv_row` for one output channel, where it would use one lane of LANES: each step's
+ * output is the dot product of its K taps' input rows (w [K, cin], contiguous) with the weights. */
+void conv_row_single(const float* buf, int64_t steps, int64_t cin, int64_t taps,
+                     int64_t dilation, const float* w, float bias, const float* residual,
+                     float* out) {
+  const int64_t full = cin / LANES * LANES, rest = cin - full;
+  for (int64_t t = 0; t < steps; t++) {
+    floats acc = {};
+    for (int64_t k = 0; k < taps; k++) {
+      const float* in = buf + (t + k * dilation) * cin;
+      const float* wk = w + k * cin;
+      for (int64_t c = 0; c < full; c += LANES) acc += load_floats(in + c) * load_floats(wk + c);
+      if (rest) acc += load_first(in + full, rest) * load_first(wk + full, rest);
+    }
+    out[t] = bias + sum_lanes(acc) + (residual == nullptr ? 0.0f : residual[t]);
+  }
+}
+
+/* A causal convolution of x [B, T, Cin] with its stored `history` [B, H, Cin], H = (K - 1) x
+ * dilation, in front: y [B, T, Cout] = bias + sum_k buf[t + k * dilation] @ weights[k], where
+ * buf = history, then x (through the ELU where `elu`); buf's newest H frames become the history
+ * (in place). `residual` [B, T, Cout] is added to y where given.
+ *
+ * Why: the SEANet's narrow layers (24-96 channels at 480-1920 steps a frame) as K GEMMs of a
+ * few dozen columns each read the whole activation K times and run at a fraction of a core's
+ * FMA rate, after passes that build the history-prefixed copy and the ELU. Here each row's
+ * buffer is built once, in cache, and the outputs come from registers. */
+at::Tensor causal_conv(const at::Tensor& x, const std::optional<at::Tensor>& history,
+                       const at::Tensor& weights, const std::optional<at::Tensor>& bias,
+                       int64_t dilation, bool elu, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weights.scalar_type() == at::kFloat,
+              "causal_conv takes float32");
+  TORCH_CHECK(x.dim() == 3 && weights.dim() == 3 && weights.size(1) == x.size(2),
+              "x [B, T, Cin] and weights [K, Cin, Cout]: ", x.sizes(), weights.sizes());
+  TORCH_CHECK(dilation >= 1, "dilation must be >= 1, not ", dilation);
+  const int64_t B = x.size(0), T = x.size(1), cin = x.size(2);
+  const int64_t taps = weights.size(0), cout = weights.size(2), H = (taps - 1) * dilation;
+  TORCH_CHECK(taps >= 1 && cout >= 1, "weights must have taps and output channels");
+  if (H > 0) {
+    TORCH_CHECK(history.has_value() && history->scalar_type() == at::kFloat &&
+                    history->sizes() == at::IntArrayRef({B, H, cin}) && dense_rows(*history),
+                "history must be float32 [B, ", H, ", ", cin, "] with contiguous rows");
+  }
+  const at::Tensor xs = dense_rows(x) ? x : x.contiguous();
+  /* Weights and bias padded to whole vectors, so that every block reads full ones. */
+  const int64_t vectors = (cout + LANES - 1) / LANES, wstride = vectors * LANES;
+  std::vector<float> w(taps * cin * wstride, 0.0f), b(wstride, 0.0f);
+  const at::Tensor wc = weights.contiguous();
+  for (int64_t r = 0; r < taps * cin; r++)
+    std::memcpy(w.data() + r * wstride, wc.data_ptr<float>() + r * cout, cout * sizeof(float));
+  if (bias.has_value()) {
+    const at::Tensor bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == cout, "bias must be [Cout]");
+    std::memcpy(b.data(), bc.data_ptr<float>(), cout * sizeof(float));
+  }
+  at::Tensor res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == at::IntArrayRef({B, T, cout}) &&
+                    residual->scalar_type() == at::kFloat,
+                "residual must be float32 [B, T, Cout]");
+    res = dense_rows(*residual) ? *residual : residual->contiguous();
+  }
+  at::Tensor out = at::empty({B, T, cout}, x.options());
+  constexpr int64_t J_MAX = 16;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    /* history, then x, then zero rows that a last partial block reads past the end. */
+    std::vector<float> buf((H + T + J_MAX) * cin, 0.0f);
+    const auto elu_of = [](floats v) {
+      const floats e = exp_nonpositive(v < 0.0f ? v : floats{}) - 1.0f;
+      return v > 0.0f ? v : e;
+    };
+    for (int64_t r = begin; r < end; r++) {
+      float* hist = H > 0 ? history->data_ptr<float>() + r * history->stride(0) : nullptr;
+      if (H > 0) std::memcpy(buf.data(), hist, H * cin * sizeof(float));
+      const float* xr = xs.data_ptr<float>() + r * xs.stride(0);
+      if (elu) {
+        map_floats(xr, buf.data() + H * cin, T * cin, elu_of);
+      } else {
+        std::memcpy(buf.data() + H * cin, xr, T * cin * sizeof(float));
+      }
+      if (H > 0) std::memcpy(hist, buf.data() + T * cin, H * cin * sizeof(float));
+      const float* rr = residual.has_value() ? res.data_ptr<float>() + r * res.stride(0) : nullptr;
+      float* o = out.data_ptr<float>() + r * T * cout;
+      if (cout == 1) {
+        conv_row_single(buf.data(), T, cin, taps, dilation, wc.data_ptr<float>(), b[0], rr, o);
+        continue;
+      }
+      for (int64_t c0 = 0; c0 < cout; c0 += CONV_VECTORS * LANES) {
+        const int64_t left = (cout - c0 + LANES - 1) / LANES;
+        switch (left >= CONV_VECTORS ? CONV_VECTORS : left) {
+          case 1:
+            conv_row<1, 16>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
+                            cout, rr, o);
+            break;
+          case 2:
+            conv_row<2, 12>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
+                            cout, rr, o);
+            break;
+          case 3:
+            conv_row<3, 8>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
+                           cout, rr, o);
+            break;
+          default:
+            conv_row<4, 6>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
+                           cout, rr, o);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(intone, m) {
   m.def("elu_into(Tensor x, Tensor(a!) out) -> Tensor(a!)", &elu_into);
   m.def("gelu_tanh(Tensor x) -> Tensor", &gelu_tanh);
+  m.def(
+      "causal_conv(Tensor x, Tensor(a!)? history, Tensor weights, Tensor? bias, int dilation, "
+      "bool elu, Tensor? residual) -> Tensor",
+      &causal_conv);
   m.def(
       "ring_attention(Tensor q, Tensor keys, Tensor values, Tensor key_positions, "
       "Tensor positions, Tensor? rows, int context) -> Tensor",

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace intone {
 
 /* Floats per vector: one register of the target. Wider types are not split into registers
@@ -37,6 +41,44 @@ inline floats exp_nonpositive(floats x) {
   p = p * r * r + r + 1.0f;
   ints bits = (__builtin_convertvector(n, ints) + 127) << 23;
   return p * (floats)bits;
+}
+
+/* LANES floats from p, unaligned. */
+inline floats load_floats(const float* p) {
+  floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* The first n (0 < n <= LANES) lanes at p, the others zero; and v's first n lanes stored at
+ * p. Masked where the target has masks: a memcpy of a variable size is a library call. */
+inline floats load_first(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  return (floats)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#else
+  floats v = {};
+  for (int64_t i = 0; i < n; i++) v[i] = p[i];
+  return v;
+#endif
+}
+
+inline void store_first(float* p, floats v, int64_t n) {
+#if defined(__AVX512F__)
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+#else
+  for (int64_t i = 0; i < n; i++) p[i] = v[i];
+#endif
+}
+
+/* The sum of v's lanes. */
+inline float sum_lanes(floats v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.0f;
+  for (int64_t i = 0; i < LANES; i++) s += v[i];
+  return s;
+#endif
 }
 
 /* Asks for the cache lines of `bytes` bytes from p on, ahead of their use. */

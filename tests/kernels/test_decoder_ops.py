@@ -55,6 +55,80 @@ def test_gelu_equals_torch(ops: None) -> None:
     assert torch.equal(decoder_ops.gelu_tanh(half), F.gelu(half, approximate="tanh"))
 
 
+def reference_conv(
+    x: torch.Tensor,
+    history: torch.Tensor,
+    weights: torch.Tensor,
+    bias: torch.Tensor | None,
+    dilation: int,
+    elu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal convolution through torch's conv1d over [history, ELU(x)], and the history
+    after it (that buffer's newest frames)."""
+    buf = torch.cat([history, F.elu(x) if elu else x], dim=1)
+    weight = weights.permute(2, 1, 0)  # [K, Cin, Cout] -> conv1d's [Cout, Cin, K]
+    y = F.conv1d(buf.transpose(1, 2), weight, bias, dilation=dilation).transpose(1, 2)
+    return y, buf[:, x.shape[1] :]
+
+
+@pytest.mark.parametrize(
+    ("cin", "cout", "taps", "dilation", "elu", "residual"),
+    [
+        (24, 12, 3, 1, True, False),  # the 2M SEANet's last residual block
+        (12, 24, 1, 1, True, True),  # its second convolution, the residual added
+        (48, 96, 2, 1, True, False),  # a transposed convolution's two taps
+        (24, 1, 3, 1, True, False),  # the last layer: one output channel
+        (7, 70, 3, 2, False, True),  # odd widths, a dilation, no ELU
+        (5, 150, 2, 3, True, True),  # more output channels than one register block
+    ],
+)
+def test_causal_conv_equals_torch_conv1d(
+    ops: None, cin: int, cout: int, taps: int, dilation: int, elu: bool, residual: bool
+) -> None:
+    """On views as the decoder passes them: the input a slice of a wider buffer, the history
+    rows of a larger pool; the history advances in place, over calls of any length."""
+    gen = torch.Generator().manual_seed(cin * cout + taps)
+    weights = torch.randn(taps, cin, cout, generator=gen) / cin**0.5
+    bias = torch.randn(cout, generator=gen)
+    frames = (taps - 1) * dilation
+    pool = torch.randn(5, frames, cin, generator=gen)
+    history, want_history = pool[1:4], pool[1:4].clone()
+    others = pool[[0, 4]].clone()
+    for steps in (37, 1, 20):
+        wide = torch.randn(3, steps, cin + 4, generator=gen) * 3
+        x = wide[..., :cin]
+        res = torch.randn(3, steps, cout, generator=gen) if residual else None
+        want, want_history = reference_conv(x, want_history, weights, bias, dilation, elu)
+        if res is not None:
+            want = want + res
+        got = torch.ops.intone.causal_conv(
+            x, history if frames else None, weights, bias, dilation, elu, res
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(history, want_history, rtol=0, atol=2e-7)
+    assert torch.equal(pool[[0, 4]], others)  # the pool's other rows are not touched
+
+
+def test_causal_conv_refuses_calls_that_do_not_fit(ops: None) -> None:
+    conv = torch.ops.intone.causal_conv
+    x, weights, history = torch.randn(2, 5, 4), torch.randn(3, 4, 6), torch.zeros(2, 2, 4)
+    with pytest.raises(RuntimeError, match="history must be"):
+        conv(x, None, weights, None, 1, True, None)
+    with pytest.raises(RuntimeError, match="history must be"):
+        conv(x, torch.zeros(2, 3, 4), weights, None, 1, True, None)
+    with pytest.raises(RuntimeError, match=r"weights \[K, Cin, Cout\]"):
+        conv(x, history, torch.randn(3, 5, 6), None, 1, True, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        conv(x.double(), history, weights, None, 1, True, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        conv(x, history, weights, torch.zeros(5), 1, True, None)
+    with pytest.raises(RuntimeError, match="residual"):
+        conv(x, history, weights, None, 1, True, torch.zeros(2, 5, 5))
+    with pytest.raises(RuntimeError, match="dilation"):
+        conv(x, history, weights, None, 0, True, None)
+    assert torch.equal(history, torch.zeros(2, 2, 4))  # a refused call leaves it as it was
+
+
 def ring_state(
     rows: int, size: int, heads: int, dim: int, filled: list[int], gen: torch.Generator
 ) -> dict[str, torch.Tensor]:
