@@ -1,4 +1,5 @@
-/* The CPU decoder's elementwise passes and its transformer's ring attention as torch operators:
+/* The CPU decoder's elementwise passes, its narrow convolutions and its transformer's ring
+ * attention as torch operators:
  * engine/kernels/decoder_ops.py compiles this file against the installed torch's headers and
  * loads it with torch.ops.load_library.
  *
@@ -12,6 +13,9 @@
  *   writes each of ~8.5 million elements five times; here once.
  * - gelu_tanh: aten's tanh-approximated GELU spends its time in a vectorised tanh; 1/(1 + e^-2z)
  *   is the same function at a third of the cost.
+ * - causal_conv: a narrow SEANet convolution as K GEMMs of a few dozen columns each, after a
+ *   history-prefixed copy, an ELU pass and before a residual add; here one pass per row
+ *   (its comment says more).
  * - ring_attention: SDPA over the whole ring (313 slots for 250 keys a query may see) with a
  *   boolean mask built per call; here each row's queries read only the slots they may see, in
  *   place (the pool's rows by index, where given), with no mask tensor.

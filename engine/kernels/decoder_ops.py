@@ -1,6 +1,7 @@
-"""The CPU decoder's ELU, tanh GELU and ring attention as torch operators (`decoder_ops.cpp`,
-registered as `torch.ops.intone.*`), where this machine can build them; torch's own operators
-elsewhere. The int8 FlowLM's GELU is this one too (`precision.serving_model`).
+"""The CPU decoder's ELU, tanh GELU, direct causal convolution and ring attention as torch
+operators (`decoder_ops.cpp`, registered as `torch.ops.intone.*`), where this machine can build
+them; torch's own operators elsewhere (`causal_conv` is called by `cpu_decoder._Conv`, whose
+GEMMs are its torch path). The int8 FlowLM's GELU is this one too (`precision.serving_model`).
 
 Every native kernel is a torch operator (native.py), and these must be: the decoder runs
 as TorchScript traces (traces.py), which record registered operators and replay them without the
