@@ -81,7 +81,8 @@ BF16_CONV_MIN_CHANNELS = 256
 # and no Winograd tile or bf16 GEMM for a call run as decoder_ops' direct convolution: the
 # SEANet's narrow layers (12-96 channels at 480-1920 steps a frame), where K GEMMs of a few dozen
 # columns run at a fraction of a core's rate and the history and ELU cost passes of their own.
-# 2M decoder, 29 rows x 1 frame on one Xeon core: its SEANet's convolutions 12.5 against 16.8 ms.
+# 2M decoder, 29 rows x 1 frame on one Xeon core: its SEANet 12.0-12.4 against 22.0-22.1 ms
+# (bench/results/cpu-2core-xeon-amx-2026-12-07/README.md).
 DIRECT_CONV_MAX_WEIGHTS = 1 << 17
 
 
@@ -103,7 +104,9 @@ class _Conv:
 
     With `bf16_gemm` and both sides at least `BF16_CONV_MIN_CHANNELS` wide (where oneDNN runs bf16),
     it is one bf16 GEMM of the K taps' frames side by side instead (`packed`, the weights in
-    oneDNN's layout; float32 out, its bias added in float32), with no Winograd."""
+    oneDNN's layout; float32 out, its bias added in float32), with no Winograd. With `native`,
+    a call that neither serves and of at most `DIRECT_CONV_MAX_WEIGHTS` weights is one
+    `causal_conv` operator call instead (`direct`): history, ELU and residual sum in it."""
 
     def __init__(
         self,

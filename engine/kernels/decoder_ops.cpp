@@ -41,14 +41,14 @@ namespace {
 
 using intone::exp_nonpositive;
 using intone::floats;
+using intone::ints;
 using intone::LANES;
 using intone::load_first;
 using intone::load_floats;
-using intone::store_first;
-using intone::sum_lanes;
-using intone::ints;
 using intone::map_floats;
 using intone::prefetch;
+using intone::store_first;
+using intone::sum_lanes;
 
 /* Queries per block: the lanes of one vector. */
 constexpr int64_t QB = intone::LANES;
@@ -81,12 +81,8 @@ at::Tensor& elu_into(const at::Tensor& input, at::Tensor& out) {
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t x_step = x.stride(0), out_step = out.stride(0);
-  /* e^x - 1 for x <= 0 is within 1e-7 of expm1 (the reference's ELU). */
-  const auto elu = [](floats v) {
-    const floats e = exp_nonpositive(v < 0.0f ? v : floats{}) - 1.0f;
-    return v > 0.0f ? v : e;
-  };
-  for (int64_t b = 0; b < rows; b++) map_floats(xs + b * x_step, os + b * out_step, n, elu);
+  for (int64_t b = 0; b < rows; b++)
+    map_floats(xs + b * x_step, os + b * out_step, n, [](floats v) { return intone::elu(v); });
   return out;
 }
 
@@ -256,8 +252,10 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& keys, const at:
   return out;
 }
 
-/* Output vectors per register block of `causal_conv`: wider layers run in chunks this wide. */
+/* Output vectors per register block of `causal_conv`: wider layers run in chunks this wide. Its
+ * blocks are J steps x V vectors, at most CONV_STEPS steps (where V = 1). */
 constexpr int64_t CONV_VECTORS = 4;
+constexpr int CONV_STEPS = 16;
 
 /* One row's outputs y [steps, cout], channels [c0, c0 + V * LANES): y[t] = bias + the sum over
  * taps k and input channels ci of buf[t + k * dilation][ci] * w[k][ci], plus residual[t] where
@@ -380,20 +378,15 @@ at::Tensor causal_conv(const at::Tensor& x, const std::optional<at::Tensor>& his
     res = dense_rows(*residual) ? *residual : residual->contiguous();
   }
   at::Tensor out = at::empty({B, T, cout}, x.options());
-  constexpr int64_t J_MAX = 16;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     /* history, then x, then zero rows that a last partial block reads past the end. */
-    std::vector<float> buf((H + T + J_MAX) * cin, 0.0f);
-    const auto elu_of = [](floats v) {
-      const floats e = exp_nonpositive(v < 0.0f ? v : floats{}) - 1.0f;
-      return v > 0.0f ? v : e;
-    };
+    std::vector<float> buf((H + T + CONV_STEPS) * cin, 0.0f);
     for (int64_t r = begin; r < end; r++) {
       float* hist = H > 0 ? history->data_ptr<float>() + r * history->stride(0) : nullptr;
       if (H > 0) std::memcpy(buf.data(), hist, H * cin * sizeof(float));
       const float* xr = xs.data_ptr<float>() + r * xs.stride(0);
       if (elu) {
-        map_floats(xr, buf.data() + H * cin, T * cin, elu_of);
+        map_floats(xr, buf.data() + H * cin, T * cin, [](floats v) { return intone::elu(v); });
       } else {
         std::memcpy(buf.data() + H * cin, xr, T * cin * sizeof(float));
       }
@@ -408,8 +401,8 @@ at::Tensor causal_conv(const at::Tensor& x, const std::optional<at::Tensor>& his
         const int64_t left = (cout - c0 + LANES - 1) / LANES;
         switch (left >= CONV_VECTORS ? CONV_VECTORS : left) {
           case 1:
-            conv_row<1, 16>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
-                            cout, rr, o);
+            conv_row<1, CONV_STEPS>(buf.data(), T, cin, taps, dilation, w.data(), wstride,
+                                    b.data(), c0, cout, rr, o);
             break;
           case 2:
             conv_row<2, 12>(buf.data(), T, cin, taps, dilation, w.data(), wstride, b.data(), c0,
