@@ -13,29 +13,32 @@ import pytest
 
 from intone.engine.cpu_memory import HUGE_PAGES_ENV, KERNEL_HUGE_PAGES
 
-# Decode calls on the engine's own decoder, in a fresh process (malloc settings are
-# process-wide): the minor page faults per call once warm.
-DECODE_FAULTS = """
+# In a fresh process (malloc settings are process-wide), an engine made with or without the
+# setting, then what a decode call does to the heap: many blocks of MBs alive at once (16 x 8 MB),
+# then all freed; the minor page faults per call once warm. (The decoder's own calls are no longer
+# the workload: since its narrow convolutions keep their activations in per-row buffers, how many
+# of its blocks glibc maps again varied from 0 to 2,800 a call between processes.)
+CALL_FAULTS = """
 import resource, sys, torch
 from intone.engine import Engine, EngineConfig
 from intone.engine.loading import load_model
 engine = Engine(load_model(sys.argv[1]), EngineConfig(keep_freed_memory=sys.argv[2] == "on"))
-decoder = engine.runner.decoder
-state = decoder.init_decoder_state(16)
-latents = torch.randn(16, 4, 32)
-for _ in range(5):
-    decoder.decode(latents, state)
+def call():
+    activations = [torch.ones(2 << 20) for _ in range(16)]
+    return sum(float(a[-1]) for a in activations)
+for _ in range(3):
+    call()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
-    decoder.decode(latents, state)
+    call()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 """
 
 
-def faults_per_decode_call(checkpoint: Path, keep_freed_memory: bool) -> float:
+def faults_per_call(checkpoint: Path, keep_freed_memory: bool) -> float:
     setting = "on" if keep_freed_memory else "off"
     run = subprocess.run(
-        [sys.executable, "-c", DECODE_FAULTS, str(checkpoint), setting],
+        [sys.executable, "-c", CALL_FAULTS, str(checkpoint), setting],
         capture_output=True,
         text=True,
         timeout=120,
@@ -45,11 +48,14 @@ def faults_per_decode_call(checkpoint: Path, keep_freed_memory: bool) -> float:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
-def test_decode_calls_stop_page_faulting(tiny_checkpoint: Path):
-    """Without the setting glibc returns a call's activations to the OS and faults them in on
-    the next call (~100 faults per call here); with it they are reused."""
-    without = faults_per_decode_call(tiny_checkpoint, keep_freed_memory=False)
-    with_setting = faults_per_decode_call(tiny_checkpoint, keep_freed_memory=True)
+def test_freed_activations_stop_page_faulting(tiny_checkpoint: Path):
+    """Without the setting glibc returns the freed blocks to the OS whenever the heap's top is
+    free, and they fault in again on the next call (~32,000 faults a call here in 4 KB pages, in
+    most processes: where another allocation sits above them the top stays); with it they are
+    reused.
+    The process that faults most of three is compared."""
+    without = max(faults_per_call(tiny_checkpoint, keep_freed_memory=False) for _ in range(3))
+    with_setting = max(faults_per_call(tiny_checkpoint, keep_freed_memory=True) for _ in range(2))
     assert without > 20
     assert with_setting < without / 5
 
