@@ -50,10 +50,9 @@ def faults_per_call(checkpoint: Path, keep_freed_memory: bool) -> float:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_freed_activations_stop_page_faulting(tiny_checkpoint: Path):
     """Without the setting glibc returns the freed blocks to the OS whenever the heap's top is
-    free, and they fault in again on the next call (~32,000 faults a call here in 4 KB pages, in
-    most processes: where another allocation sits above them the top stays); with it they are
-    reused.
-    The process that faults most of three is compared."""
+    free, and they fault in again on the next call: ~32,000 faults a call here in 4 KB pages, in
+    most processes (where another allocation sits above them, the top stays), so the process
+    that faults most of three is compared. With it they are reused."""
     without = max(faults_per_call(tiny_checkpoint, keep_freed_memory=False) for _ in range(3))
     with_setting = max(faults_per_call(tiny_checkpoint, keep_freed_memory=True) for _ in range(2))
     assert without > 20
