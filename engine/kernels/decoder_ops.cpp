@@ -48,6 +48,7 @@ using intone::load_floats;
 using intone::map_floats;
 using intone::prefetch;
 using intone::store_first;
+using intone::store_floats;
 using intone::sum_lanes;
 
 /* Queries per block: the lanes of one vector. */
@@ -305,7 +306,7 @@ void conv_row(const float* buf, int64_t steps, int64_t cin, int64_t taps, int64_
         floats y = acc[j][v];
         if (n == LANES) {
           if (r != nullptr) y += load_floats(r + v * LANES);
-          std::memcpy(o + v * LANES, &y, sizeof y);
+          store_floats(o + v * LANES, y);
         } else {
           if (r != nullptr) y += load_first(r + v * LANES, n);
           store_first(o + v * LANES, y, n);

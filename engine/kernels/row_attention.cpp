@@ -42,26 +42,27 @@ namespace {
 using intone::exp_nonpositive;
 using intone::floats;
 using intone::LANES;
+using intone::load_first;
+using intone::load_floats;
 using intone::prefetch;
+using intone::store_first;
+using intone::store_floats;
+using intone::sum_lanes;
 
 /* scores[t] <- e^(scores[t] - top) for t < n (every score <= top); returns their sum. */
 float exp_shifted(float* scores, int64_t n, float top) {
   floats sums = {};
   int64_t t = 0;
   for (; t + LANES <= n; t += LANES) {
-    floats s;
-    std::memcpy(&s, scores + t, sizeof s);
-    s = exp_nonpositive(s - top);
-    std::memcpy(scores + t, &s, sizeof s);
+    const floats s = exp_nonpositive(load_floats(scores + t) - top);
+    store_floats(scores + t, s);
     sums += s;
   }
   float total = 0.0f;
   if (t < n) {
-    floats s = {};
-    std::memcpy(&s, scores + t, (n - t) * sizeof(float));
-    s = exp_nonpositive(s - top);
-    std::memcpy(scores + t, &s, (n - t) * sizeof(float));
-    for (int64_t i = 0; i < n - t; i++) total += s[i];
+    const floats s = exp_nonpositive(load_first(scores + t, n - t) - top);
+    store_first(scores + t, s, n - t);
+    for (int64_t i = 0; i < n - t; i++) total += s[i];  /* its other lanes are e^-top */
   }
   for (int64_t i = 0; i < LANES; i++) total += sums[i];
   return total;
@@ -95,20 +96,6 @@ inline void narrow(floats f, half* p) {
 #endif
 }
 
-/* The sum of a vector's lanes as a tree (a chain of lane-by-lane adds, which the compiler may
- * not reorder without -ffast-math, cost more than the dot product it ends). */
-inline float lane_sum(floats v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)v);
-#else
-  float s[LANES];
-  std::memcpy(s, &v, sizeof v);
-  for (int64_t width = LANES / 2; width > 0; width /= 2)
-    for (int64_t i = 0; i < width; i++) s[i] += s[i + width];
-  return s[0];
-#endif
-}
-
 /* Vectors of a head of up to this many: 256 dims on AVX-512, 128 on AVX, 64 elsewhere. */
 constexpr int64_t HEAD_VECTORS = 16;
 
@@ -128,7 +115,7 @@ void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
   for (int64_t j = 0; j < group; j++) {
     floats qv[HEAD_VECTORS];
     for (int64_t c = 0; c < vectors; c++)
-      std::memcpy(&qv[c], q + j * dim + c * LANES, sizeof(floats));
+      qv[c] = load_floats(q + j * dim + c * LANES);
     float top = -3.4e38f;
     for (int64_t t = 0; t < length; t++) {
       const half* kt = k + t * dim;
@@ -138,7 +125,7 @@ void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
       }
       floats acc = {};
       for (int64_t c = 0; c < vectors; c++) acc += qv[c] * widen(kt + c * LANES);
-      scores[t] = lane_sum(acc) * scale;
+      scores[t] = sum_lanes(acc) * scale;
       top = scores[t] > top ? scores[t] : top;
     }
     const float total = exp_shifted(scores, length, top);
@@ -149,10 +136,7 @@ void attend_head_half(const float* __restrict__ q, const half* __restrict__ k,
       for (int64_t c = 0; c < vectors; c++) acc[c] += p * widen(vt + c * LANES);
     }
     const float inverse = 1.0f / total;
-    for (int64_t c = 0; c < vectors; c++) {
-      const floats o = acc[c] * inverse;
-      std::memcpy(out + j * dim + c * LANES, &o, sizeof o);
-    }
+    for (int64_t c = 0; c < vectors; c++) store_floats(out + j * dim + c * LANES, acc[c] * inverse);
   }
 }
 
@@ -311,11 +295,7 @@ void row_store(const at::Tensor& source, const at::Tensor& target, const at::Ten
         const float* run = from + (r * heads + h) * dim;
         half* into = to + offset[r] + h * head_stride;
         int64_t d = 0;
-        for (; d + LANES <= dim; d += LANES) {
-          floats f;
-          std::memcpy(&f, run + d, sizeof f);
-          narrow(f, into + d);
-        }
+        for (; d + LANES <= dim; d += LANES) narrow(load_floats(run + d), into + d);
         for (; d < dim; d++) into[d] = (half)run[d];
       }
     return;

@@ -49,12 +49,14 @@ inline floats elu(floats v) {
   return v > 0.0f ? v : e;
 }
 
-/* LANES floats from p, unaligned. */
+/* LANES floats from p, and v stored at p; unaligned. */
 inline floats load_floats(const float* p) {
   floats v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+inline void store_floats(float* p, floats v) { std::memcpy(p, &v, sizeof v); }
 
 /* The first n (0 < n <= LANES) lanes at p, the others zero; and v's first n lanes stored at
  * p. Masked where the target has masks: a memcpy of a variable size is a library call. */
@@ -76,14 +78,17 @@ inline void store_first(float* p, floats v, int64_t n) {
 #endif
 }
 
-/* The sum of v's lanes. */
+/* The sum of v's lanes, as a tree (a chain of lane-by-lane adds, which the compiler may not
+ * reorder without -ffast-math, cost more than the dot product it ends). */
 inline float sum_lanes(floats v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)v);
 #else
-  float s = 0.0f;
-  for (int64_t i = 0; i < LANES; i++) s += v[i];
-  return s;
+  float s[LANES];
+  std::memcpy(s, &v, sizeof v);
+  for (int64_t width = LANES / 2; width > 0; width /= 2)
+    for (int64_t i = 0; i < width; i++) s[i] += s[i + width];
+  return s[0];
 #endif
 }
 
@@ -96,18 +101,8 @@ inline void prefetch(const void* p, int64_t bytes) {
 template <typename F>
 void map_floats(const float* in, float* out, int64_t n, F f) {
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) {
-    floats v;
-    std::memcpy(&v, in + i, sizeof v);
-    v = f(v);
-    std::memcpy(out + i, &v, sizeof v);
-  }
-  if (i < n) {
-    floats v = {};
-    std::memcpy(&v, in + i, (n - i) * sizeof(float));
-    v = f(v);
-    std::memcpy(out + i, &v, (n - i) * sizeof(float));
-  }
+  for (; i + LANES <= n; i += LANES) store_floats(out + i, f(load_floats(in + i)));
+  if (i < n) store_first(out + i, f(load_first(in + i, n - i)), n - i);
 }
 
 }  // namespace intone
