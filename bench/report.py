@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from intone.engine.metrics import STAGES
+
 MODE_ORDER = (
     "sequential",
     "interleaved",
@@ -27,7 +29,7 @@ def _batch(run: dict) -> str:
     means = run.get("batch_mean")
     if not means:
         return "-"
-    return " / ".join(_f(means.get(s), 2) for s in ("prefill", "generate", "decode"))
+    return " / ".join(_f(means.get(s), 2) for s in STAGES)
 
 
 def _mode_key(mode: str) -> tuple[int, str]:
@@ -45,7 +47,7 @@ def _sorted(runs: list[dict]) -> list[dict]:
 def table(results: dict) -> str:
     lines = [
         "| mode | load | requests | TTFA p50 / p95 / p99 ms | latency p50 / p95 s | RTF p50 / p95 "
-        "| audio-s/s | req/s | underruns | batch prefill / gen / decode | client CPU |",
+        f"| audio-s/s | req/s | underruns | batch {' / '.join(STAGES)} | client CPU |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in _sorted(results["runs"]):
@@ -136,13 +138,13 @@ def markdown(results: dict) -> str:
             + ").",
             "",
             "| mode | baseline | throughput c=8 / sequential | TTFA p50 c=1 / sequential "
-            "| mean batch at c=8 (prefill / generate / decode) |",
+            f"| mean batch at c=8 ({' / '.join(STAGES)}) |",
             "|---|---|---|---|---|",
         ]
         for mode in engines:
             for baseline, entry in acc[mode].items():
                 batch = entry.get("batch_mean_c8") or {}
-                means = " / ".join(_f(batch.get(s), 2) for s in ("prefill", "generate", "decode"))
+                means = " / ".join(_f(batch.get(s), 2) for s in STAGES)
                 out.append(
                     f"| {mode} | {baseline.removeprefix('vs ')} "
                     f"| {_f(entry.get('throughput_c8'), 2)}x | {_f(entry.get('ttfa_p50_c1'), 2)}x "

@@ -52,6 +52,8 @@ from common import (  # noqa: E402
     round_floats,
 )
 
+from intone.engine.metrics import STAGES  # noqa: E402
+
 MODES = ("sequential", "interleaved", "batched", "batched-fast", "reference", "ws", "ws-ray")
 # Also runnable (--modes): the engine with its playback pacing on (EngineConfig.lead_s=2.0), and
 # the engine in float32 throughout (EngineConfig.dtype="float32", the default's fallback).
@@ -181,13 +183,8 @@ async def run_worker(spec: dict) -> list[dict]:
             run["server_cpu_share"] = (server1 - server0) / wall
         stages = backend.stage_metrics()
         if stages:
-            run["batch_mean"] = {
-                stage: stages.get(f"{stage}_batch_mean")
-                for stage in ("prefill", "generate", "decode")
-            }
-            run["batches"] = {
-                stage: stages.get(f"{stage}_batches") for stage in ("prefill", "generate", "decode")
-            }
+            run["batch_mean"] = {stage: stages.get(f"{stage}_batch_mean") for stage in STAGES}
+            run["batches"] = {stage: stages.get(f"{stage}_batches") for stage in STAGES}
         if foreign0 is not None and foreign1 is not None:
             # CPU used by processes outside this benchmark (other users), in cores: the noise.
             run["foreign_cpu_cores"] = max(0.0, foreign1 - foreign0) / wall

@@ -26,8 +26,9 @@ from pathlib import Path
 from common import NO_EOS
 from server_process import ServerProcess, free_port
 
+from intone.engine.metrics import STAGES
+
 VOICE = "bench"
-STAGES = ("prefill", "generate", "decode")
 
 
 class WsBackend:

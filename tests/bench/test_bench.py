@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from intone.engine.kernels import native
+from intone.engine.metrics import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def test_runner_smoke(tiny_checkpoint: Path, tmp_path: Path):
     audio = {round(r["audio_s"], 3) for r in runs.values()}
     assert len(audio) == 1
     batched = runs[("batched", 2)]["batch_mean"]
-    assert set(batched) == {"prefill", "generate", "decode"}
+    assert set(batched) == set(STAGES)
     assert all(v >= 1 for v in batched.values())
     assert batched["generate"] > 1, "two concurrent requests never shared an AR step"
     assert set(results["capacity"]) == {"sequential", "batched"}
