@@ -228,9 +228,11 @@ class ARWorker:
                 self._finish(request, error=failed(stage, error))
 
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
-        """One packed prefill pass, which also takes each prefilled clause's first AR step, then
-        one AR step for the other rows and the prefilled ones; a failure is pinned on the rows
-        that fail alone. A clause whose first step an ending prepared joins as a prefilled one."""
+        """One packed prefill pass, which also takes each prefilled clause's first AR step, and
+        one AR step for the other rows: as one pass where the runner `joins` them (the weights
+        read once), else the pass, then a step that the prefilled rows join too (a clause's
+        second latent comes a step sooner). A failure is pinned on the rows that fail alone. A
+        clause whose first step an ending prepared joins as a prefilled one."""
         noise_of: dict[str, torch.Tensor] = {}
         ready = [r for r in prefill if r.first_step is not None]
         prefill = self._prepare([r for r in prefill if r.first_step is None], noise_of)
@@ -256,37 +258,85 @@ class ARWorker:
         starting = [*(r for r, _ in prepared), *prefill]
         self.decoder.first_frames_due = any(r.frames_generated == 0 for r in starting)
         try:
-            first = prepared
+            if prepared:
+                generate += self._started(prepared, generate, noise_of)
+            if prefill and generate and self.runner.joins(len(prefill)):
+                joint = self._joint_pass(prefill, generate, noise_of)
+                if joint is not None:
+                    first, stepped = joint
+                    self._start_generating(first)
+                    self._emit([*first, *stepped])
+                    return
             if prefill:
                 positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
-                done, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
-                first += done
+                first, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
                 if positions:
                     self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
-            if first:
-                for request, _ in first:
-                    request.prompt = None
-                    request.phase = Phase.GENERATING
-                # Before the other rows' step, so they reach the decoder while that step runs.
-                self._emit(first)
-                # The prefilled rows join that step: a clause's second latent comes a step sooner
-                # (a new stream's first frame plays for 80 ms only). A stream whose first frame
-                # the decoder worker has starts no step for that (`PacingPolicy.need`).
-                with self.lock:
-                    t = now()
-                    joining = [
-                        r
-                        for r, _ in first
-                        if r.phase is Phase.GENERATING
-                        and self.scheduler.need(r, t) is not Need.NONE
-                        and (generate or not r.first_audio_decoding)
-                    ]
-                generate += self._prepare(joining, noise_of)
+                if first:
+                    generate += self._started(first, generate, noise_of)
             if generate:
                 done, _ = run("generate", "AR step", self.runner.generate, generate)
                 self._emit(done)
         finally:
             self.decoder.first_frames_due = False
+
+    def _start_generating(self, first: list[tuple[Request, tuple[torch.Tensor, bool]]]) -> None:
+        for request, _ in first:
+            request.prompt = None
+            request.phase = Phase.GENERATING
+
+    def _started(
+        self,
+        first: list[tuple[Request, tuple[torch.Tensor, bool]]],
+        generate: list[Request],
+        noise_of: dict[str, torch.Tensor],
+    ) -> list[Request]:
+        """Clauses with their first latents, before the other rows' step (so that those reach the
+        decoder while it runs): emitted, and those that join that step, prepared for it. A
+        clause's second latent comes a step sooner (a new stream's first frame plays for 80 ms
+        only); a stream whose first frame the decoder worker has starts no step for that
+        (`PacingPolicy.need`)."""
+        self._start_generating(first)
+        self._emit(first)
+        with self.lock:
+            t = now()
+            joining = [
+                r
+                for r, _ in first
+                if r.phase is Phase.GENERATING
+                and self.scheduler.need(r, t) is not Need.NONE
+                and (generate or not r.first_audio_decoding)
+            ]
+        return self._prepare(joining, noise_of)
+
+    def _joint_pass(
+        self, prefill: list[Request], generate: list[Request], noise_of: dict[str, torch.Tensor]
+    ) -> tuple[list, list] | None:
+        """The prompt pass of `prefill` and the AR step of `generate` as one pass
+        (`ModelRunner.prefill_and_generate`): the clauses' first latents and the rows' next, each
+        with its EOS flag. None if it fails: the pass and the step then run apart, each retried
+        row by row, on the same pages and noise."""
+        positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
+        started = time.perf_counter()
+        try:
+            latents, eos = self.runner.prefill_and_generate(
+                prefill,
+                [noise_of[r.id] for r in prefill],
+                generate,
+                [noise_of[r.id] for r in generate],
+            )
+            done = list(zip(latents, self.io.values(eos), strict=True))
+        except Exception as e:
+            logger.warning("a joint pass failed (%r); its prompt pass and AR step run apart", e)
+            return None
+        seconds = time.perf_counter() - started
+        # Each stage's rows waited the whole pass.
+        self.metrics.step("prefill", len(prefill), seconds)
+        self.metrics.step("generate", len(generate), seconds)
+        # The step that comes with it is what the streams near an underrun wait for anyway.
+        self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
+        first = list(zip(prefill, done[: len(prefill)], strict=True))
+        return first, list(zip(generate, done[len(prefill) :], strict=True))
 
     def _prefill_drafts(self, drafts: list[DraftPass], endings: list[EndingPass]) -> None:
         """Prefill first clauses' drafts and prepare endings, in one pass (the AR stage has

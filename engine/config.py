@@ -27,6 +27,11 @@ URGENT_S = 0.5
 # (`Scheduler.prompt_pass_cost`): at full size on a 2-core Zen 3, seven new streams' first
 # clauses took one pass of ~250 ms while a stream that had just started held 160 ms of audio.
 PREFILL_MARGIN_S = 0.1
+# A pass that joins the AR step (`ModelRunner.prefill_and_generate`) brings the playing streams'
+# next latents itself: only their decode call is left after it (10-25 ms a frame in a wave of
+# new streams, either model, on the Xeon). With `PREFILL_MARGIN_S` there, a new stream's one
+# frame (80 ms) left room for one clause a pass, and a wave's first clauses queued.
+JOINED_PREFILL_MARGIN_S = 0.04
 # How many recent prompt passes that cost is fitted to (`pass_cost.PromptPassCost`): a second or
 # two of them under load, so it follows the machine's speed.
 PASS_COST_MEMORY = 32

@@ -58,7 +58,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from intone.engine.block_manager import BlockManager, PageTable
-from intone.engine.config import PREFILL_MARGIN_S, URGENT_S, EngineConfig
+from intone.engine.config import (
+    JOINED_PREFILL_MARGIN_S,
+    PREFILL_MARGIN_S,
+    URGENT_S,
+    EngineConfig,
+)
 from intone.engine.model_runner import ModelRunner
 from intone.engine.options import ClauseProgress
 from intone.engine.pacing import Need, PacingPolicy
@@ -548,7 +553,9 @@ class Scheduler:
     def _pass_fits(self, clauses: int, prompts: int, positions: int, least: float) -> bool:
         """Whether a prompt pass of `clauses` clauses (`prompts` of them with a prompt to run,
         the others prepared by an ending) and `positions` positions may run while the least-ahead
-        stream that plays has `least` seconds of audio ahead."""
+        stream that plays has `least` seconds of audio ahead: by what recent passes cost, it
+        ends `PREFILL_MARGIN_S` before that stream runs out, or `JOINED_PREFILL_MARGIN_S` where
+        it joins the AR step that stream waits for (`ModelRunner.joins`)."""
         if positions > self.max_prefill_tokens:
             return False
         if least >= URGENT_S:
@@ -556,7 +563,8 @@ class Scheduler:
         if clauses > self.max_prefill_rows_near_underrun:
             return False
         seconds = self.prompt_pass_cost.seconds(prompts, positions)
-        return seconds is None or seconds <= least - PREFILL_MARGIN_S
+        margin = JOINED_PREFILL_MARGIN_S if self.runner.joins(prompts) else PREFILL_MARGIN_S
+        return seconds is None or seconds <= least - margin
 
     def _padding(self, rows: int) -> int:
         """Rows a step of `rows` is padded with anyway (batch buckets): free for spare rows."""

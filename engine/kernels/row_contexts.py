@@ -12,7 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from intone.engine.kernels import row_attention
-from intone.engine.models.pocket.kv_cache import KVPool, SequenceStep, TensorFields, Upload
+from intone.engine.models.pocket.kv_cache import (
+    KVPool,
+    SequenceAttention,
+    SequenceStep,
+    TensorFields,
+    Upload,
+)
 
 CONTEXT_RUN = 64
 
@@ -219,6 +225,36 @@ class NativeRowAttention(TensorFields):
         row_attention.store(v, self.pool_values[layer], self.pool_offsets)
         row_attention.store(v, values, self.context_offsets)
         return row_attention.attend(q, keys, values, self.lengths)
+
+
+@dataclass
+class JointAttention:
+    """A prompt pass and an AR step as one pass (implements `KVCache`): its first rows, one per
+    position `prompts` writes, attend through `prompts`; the rest, one per AR row, through
+    `steps`. Both parts hold tensors only, and so does it (`tensors`, `from_tensors`): a pass
+    through it replays as a trace whatever its prompts, rows and contexts."""
+
+    prompts: SequenceAttention
+    steps: NativeRowAttention
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.prompts.write_slots.shape[0]
+        first = self.prompts.attend(layer, q[:n], k[:n], v[:n])
+        return torch.cat([first, self.steps.attend(layer, q[n:], k[n:], v[n:])])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        parts = (("prompts.", self.prompts), ("steps.", self.steps))
+        return {prefix + name: t for prefix, part in parts for name, t in part.tensors().items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> JointAttention:
+        def part(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+
+        return cls(
+            SequenceAttention.from_tensors(part("prompts.")),
+            NativeRowAttention.from_tensors(part("steps.")),
+        )
 
 
 def plan_row_context_step(

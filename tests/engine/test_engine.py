@@ -52,6 +52,7 @@ from support.engine import (
     cancel_and_drain,
     check_outcome,
     drain,
+    on_prompt_passes,
     options,
     run_request,
     slow_decoder,
@@ -108,7 +109,7 @@ async def test_concurrent_requests_equal_the_single_path(
     if traced:
         engine.prepare_traces()
         ar_traces = engine.runner.ar_traces
-        assert ar_traces is not None and len(ar_traces) == 2
+        assert ar_traces is not None and len(ar_traces) == 3
     floor = voice_pages(engine)
     assert engine.metrics()["kv_pages_in_use"] == floor
     jobs = [
@@ -196,10 +197,9 @@ async def test_voice_prefix_pages_are_shared(
 
     # Every clause, when its prompt pass starts, must see the voice's exact K/V at positions
     # 0..voice.length-1 of its own table: the shared pages and its private copy of the last one.
-    prefill = engine.runner.prefill
     prefixes_checked: list[bool] = []
 
-    def checked_prefill(requests, noise):
+    def check_prefixes(requests) -> None:
         for request in requests:
             if request.voice == "default":
                 slots = engine.blocks.slots(request.table, 0, voice.length)
@@ -207,9 +207,8 @@ async def test_voice_prefix_pages_are_shared(
                 prefixes_checked.append(
                     all(torch.equal(g, w) for g, w in zip(got, voice_kv, strict=True))
                 )
-        return prefill(requests, noise)
 
-    engine.runner.prefill = checked_prefill
+    on_prompt_passes(engine, check_prefixes)
 
     seen = {"full": 0, "partial": 0}
     stop = asyncio.Event()

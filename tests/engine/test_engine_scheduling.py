@@ -41,6 +41,7 @@ from support.engine import (
     assert_same_audio,
     check_outcome,
     drain,
+    on_prompt_passes,
     options,
     run_request,
     slow_decoder,
@@ -249,13 +250,7 @@ async def test_next_clause_starts_before_the_previous_audio_is_delivered(make_en
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.03)  # the decoder lags the AR stage by many frames
     prefills: list[float] = []
-    prefill = engine.runner.prefill
-
-    def recorded(requests, noise):
-        prefills.append(time.perf_counter())
-        return prefill(requests, noise)
-
-    engine.runner.prefill = recorded
+    on_prompt_passes(engine, lambda requests: prefills.append(time.perf_counter()))
     stream = engine.stream(None, options(8, max_frames=10))
     stream.push_text(TEXTS[1])  # two clauses
     stream.end_input()
@@ -323,22 +318,17 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     decoder worker may first end a call in flight, then take one of its own for the stream's
     next frame), they are decoded together, from a fresh history, so that the first audio has
     160 ms to play; otherwise each as it comes, the first from a fresh history, the second from
-    the one the first left. The prefilled row joins the prefill iteration's AR step. The audio
-    is unchanged."""
+    the one the first left. The prefilled row takes the next AR step (in one pass with the
+    busy stream's step, or the step after the pass). The audio is unchanged."""
     monkeypatch.setattr(ar_worker, "HANDOVER_CALLS", 1000 if calls_outlast_a_frame else 0)
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)  # busy with the other stream's backlog
     events: list[str] = []
     runner = engine.runner
-    prefill, generate, decode_detached = runner.prefill, runner.generate, runner.decode_detached
+    generate, decode_detached = runner.generate, runner.decode_detached
     busy = engine.stream(None, options(70, max_frames=80))
     opts = options(71, max_frames=6)
     new = engine.stream(None, opts)  # text comes later
-
-    def recorded_prefill(requests, noise):
-        result = prefill(requests, noise)
-        events.append("prefill")
-        return result
 
     def recorded_generate(requests, noise):
         result = generate(requests, noise)
@@ -351,7 +341,8 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
         events.append(f"{latents.shape[0]}x{latents.shape[1]} frames" + (" fresh" * fresh))
         return result
 
-    runner.prefill, runner.generate = recorded_prefill, recorded_generate
+    on_prompt_passes(engine, lambda requests: None, lambda *_: events.append("prefill"))
+    runner.generate = recorded_generate
     runner.decode_detached = recorded_decode_detached
     busy.push_text(TEXTS[2])
     busy.end_input()
@@ -365,8 +356,7 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     outcome = Outcome(await asyncio.wait_for(drain(new), TIMEOUT))
     busy.cancel()
     start = events.index("prefill")
-    # The busy stream was generating, so the new stream's prefill shared an iteration with an
-    # AR step, which the new stream joined.
+    # The new stream's second latent comes from the AR step after its prompt pass.
     if calls_outlast_a_frame:
         want = ["prefill", "generate with new", f"1x{FIRST_FRAMES_ON_AR} frames fresh"]
     else:
@@ -876,16 +866,15 @@ async def test_a_burst_of_new_streams_is_prefilled_in_parts_beside_a_stream_near
     time, so the playing stream's next steps come between the parts. The burst's audio is the
     single path's. (The passes' time budget, test_pacing.py, is lifted: this is the row cap.)"""
     monkeypatch.setattr(scheduler_module, "PREFILL_MARGIN_S", -60.0)
+    monkeypatch.setattr(scheduler_module, "JOINED_PREFILL_MARGIN_S", -60.0)
     engine = make_engine(lead_s=0.3, max_prefill_rows_near_underrun=parts_of, pacing="hold")
     passes: list[int] = []
-    prefill = engine.runner.prefill
 
-    def slow_prefill(requests, noise):
+    def slow_prefill(requests) -> None:
         passes.append(len(requests))
         time.sleep(0.1)  # the burst gathers while a pass runs
-        return prefill(requests, noise)
 
-    engine.runner.prefill = slow_prefill
+    on_prompt_passes(engine, slow_prefill)
     held = engine.stream(None, options(20, max_frames=80))
     held.report_playback(0.0)
     held.push_text(TEXTS[2])

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.config import AHEAD_OF_DECODER_CALLS, PASS_COST_MEMORY, PacingMode
+from intone.engine.config import (
+    AHEAD_OF_DECODER_CALLS,
+    JOINED_PREFILL_MARGIN_S,
+    PASS_COST_MEMORY,
+    PREFILL_MARGIN_S,
+    PacingMode,
+)
 from intone.engine.pacing import Need, PacingPolicy
 from intone.engine.pass_cost import PromptPassCost
 from intone.engine.playback import Playback
@@ -28,9 +34,15 @@ def policy(mode: PacingMode = "yield", max_unread_s: float | None = 10.0) -> Pac
     return PacingPolicy(mode, LEAD_S, max_unread_s, FRAME_S, decode_frames=4)
 
 
-def scheduler(pacing: PacingPolicy, buckets: tuple[int, ...] | None = None) -> Scheduler:
+def scheduler(
+    pacing: PacingPolicy, buckets: tuple[int, ...] | None = None, joins: int = 0
+) -> Scheduler:
+    """`joins`: up to how many prompts a pass joins the AR step (`ModelRunner.joins`)."""
     # Rows mid-clause need no tensor work of the scheduler: only the buckets' padding.
-    runner = SimpleNamespace(batch_buckets=sorted(buckets) if buckets else None)
+    runner = SimpleNamespace(
+        batch_buckets=sorted(buckets) if buckets else None,
+        joins=lambda prompts: 0 < prompts <= joins,
+    )
     return Scheduler(runner, BlockManager(64, 16), 8, 2048, 16, pacing)  # type: ignore[arg-type]
 
 
@@ -194,6 +206,23 @@ def test_a_prefill_pass_beside_a_stream_near_an_underrun_ends_before_that_stream
     assert sched.schedule(0.0).prefill == new[:1]
     sched.running = [stream("ahead", 0.8), *new]  # nobody near an underrun
     assert sched.schedule(0.0).prefill == new
+
+
+def test_a_pass_that_joins_the_ar_step_leaves_room_only_for_the_decode_call() -> None:
+    """Beside a new stream's one frame (80 ms ahead), a pass that joins the AR step the stream
+    waits for (`JOINED_PREFILL_MARGIN_S` before it runs out) takes the clauses that fit in
+    the 40 ms left; one that the step follows (`PREFILL_MARGIN_S`), one clause, however short."""
+    assert JOINED_PREFILL_MARGIN_S == 0.04 and PREFILL_MARGIN_S == 0.1
+    new = [prompted(f"new{i}", 10) for i in range(4)]
+    cost = measured(0.01, 0.001)  # 20 ms for a clause of 10 positions, 30 for two
+    joined = scheduler(policy("yield"), joins=4)
+    joined.running = [stream("started", FRAME_S), *new]
+    joined.prompt_pass_cost = cost
+    assert joined.schedule(0.0).prefill == new[:3]
+    apart = scheduler(policy("yield"))
+    apart.running = [stream("started", FRAME_S), *new]
+    apart.prompt_pass_cost = cost
+    assert apart.schedule(0.0).prefill == new[:1]
 
 
 def test_a_new_streams_first_clause_goes_before_the_next_clause_of_a_stream_well_ahead() -> None:

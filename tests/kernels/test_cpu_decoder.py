@@ -265,7 +265,7 @@ def test_prepare_traces_makes_every_trace_the_engine_calls(tiny_checkpoint):
         engine.prepare_traces()
         traces = runner.decoder.traces
         assert len(traces) == 3  # the transformer part in place and gathered, and the SEANet
-        assert runner.ar_traces is not None and len(runner.ar_traces) == 2  # step, prompt pass
+        assert runner.ar_traces is not None and len(runner.ar_traces) == 3  # step, pass, both
         slots = [runner.decoder_states.acquire() for _ in range(5)]
         latent_dim = runner.flow_lm.latent_dim
         for chosen, frames in ((slots[1:4], 2), ([slots[0], slots[3]], 1), (slots, 4)):
@@ -273,7 +273,7 @@ def test_prepare_traces_makes_every_trace_the_engine_calls(tiny_checkpoint):
             assert audio.shape == (len(chosen), frames * runner.decoder.samples_per_frame)
         runner.decode_detached(torch.randn(1, 1, latent_dim), [None])
         engine.prepare_traces()
-        assert len(traces) == 3 and len(runner.ar_traces) == 2
+        assert len(traces) == 3 and len(runner.ar_traces) == 3
     finally:
         engine.close()
 

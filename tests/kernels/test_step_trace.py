@@ -4,7 +4,7 @@ contexts' lengths and the contexts' reservation (which moves when a context outg
 prompt pass's, made on two positions, replays a pass of one sequence of any prompt and context,
 and a packed pass of a few sequences as one (`kv_cache.plan_one_sequence`); a pass of more
 sequences runs as traced parts of that many where that was timed faster
-(`ModelRunner.split_prompt_passes`)."""
+(`ModelRunner.split_prompt_passes`); and a pass and a step as one pass replays the two."""
 
 from __future__ import annotations
 
@@ -58,9 +58,21 @@ def assert_same_pools(a: ModelRunner, b: ModelRunner) -> None:
 def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tensor, ...]:
     """One AR step of rows whose contexts are `lengths` positions of the pool (this one's
     included), in the requests' order, as `ModelRunner.generate` returns it."""
+    inputs = step_inputs(runner, lengths, seed)
+    latents, eos = runner.generate_step(inputs)
+    return latents[inputs.back], eos[inputs.back]
+
+
+def step_inputs(
+    runner: ModelRunner, lengths: list[int], seed: int, first_slot: int = 0
+) -> GenerateInputs:
+    """`step`'s inputs, its rows' positions drawn from the pool's slots from `first_slot` on."""
     generator = torch.Generator().manual_seed(seed)
-    slots = runner.pool.num_slots - 1
-    steps = [SequenceStep(torch.randperm(slots, generator=generator)[:n], 1) for n in lengths]
+    slots = runner.pool.num_slots - 1 - first_slot
+    steps = [
+        SequenceStep(first_slot + torch.randperm(slots, generator=generator)[:n], 1)
+        for n in lengths
+    ]
     latent_dim = runner.flow_lm.latent_dim
     previous = torch.randn(len(lengths), latent_dim, generator=generator)
     noise = torch.randn(len(lengths), latent_dim, generator=generator)
@@ -71,8 +83,7 @@ def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tens
     )
     assert isinstance(attention, NativeRowAttention)
     order_t = torch.tensor(order)
-    back = torch.argsort(order_t)
-    inputs = GenerateInputs(
+    return GenerateInputs(
         previous[order_t],
         positions,
         attention,
@@ -80,10 +91,8 @@ def step(runner: ModelRunner, lengths: list[int], seed: int) -> tuple[torch.Tens
         thresholds[order_t],
         order_t,
         len(lengths),
-        back,
+        torch.argsort(order_t),
     )
-    latents, eos = runner.generate_step(inputs)
-    return latents[back], eos[back]
 
 
 def prompt_pass(
@@ -97,10 +106,22 @@ def prompt_pass(
     the pool drawn at random, as one sequence (`as_one`) or as `plan_step` plans it; every
     sequence's context starts with the same `shared_pages` pages (a voice's, as streams share
     them)."""
+    return runner.prefill_step(prompt_inputs(runner, sequences, seed, as_one, shared_pages))
+
+
+def prompt_inputs(
+    runner: ModelRunner,
+    sequences: list[tuple[int, int]],
+    seed: int,
+    as_one: bool = True,
+    shared_pages: int = 0,
+    pages: int | None = None,
+) -> PrefillInputs:
+    """`prompt_pass`'s inputs, its pages drawn from the pool's first `pages` (default all)."""
     generator = torch.Generator().manual_seed(seed)
     page_size = runner.blocks.page_size
     own = [-(-(context + prompt) // page_size) for context, prompt in sequences]
-    drawn = torch.randperm(runner.blocks.num_pages, generator=generator)
+    drawn = torch.randperm(pages or runner.blocks.num_pages, generator=generator)
     voice, rest = drawn[:shared_pages].tolist(), drawn[shared_pages:].tolist()
     paged = []
     for (context, prompt), count in zip(sequences, own, strict=True):
@@ -123,7 +144,7 @@ def prompt_pass(
     prompts = [prompt for _, prompt in sequences]
     width = runner.bos_input.shape[-1]
     latent_dim = runner.flow_lm.latent_dim
-    inputs = PrefillInputs(
+    return PrefillInputs(
         torch.randn(sum(prompts), width, generator=generator),
         positions,
         attention,
@@ -131,13 +152,12 @@ def prompt_pass(
         torch.randn(len(sequences), latent_dim, generator=generator),
         torch.randn(len(sequences), generator=generator),
     )
-    return runner.prefill_step(inputs)
 
 
 def test_one_trace_replays_every_step_bit_for_bit(engines: tuple[Engine, Engine]) -> None:
     eager, traced = engines
     traces = traced.runner.ar_traces
-    assert traces is not None and len(traces) == 2  # the AR step and a prompt pass
+    assert traces is not None and len(traces) == 3  # the AR step, a prompt pass, the two
     capacity = traced.runner.row_contexts.capacity
     cases = [[1], [3, 70, 12], [200, 1, 5, 33, 64, 9, 150], [capacity + 7, 4]]
     assert capacity + 7 < traced.runner.pool.num_slots
@@ -149,7 +169,7 @@ def test_one_trace_replays_every_step_bit_for_bit(engines: tuple[Engine, Engine]
         assert_same_pools(traced.runner, eager.runner)
     # The last case grew the reservation: the same trace read the new one.
     assert traced.runner.row_contexts.capacity > capacity
-    assert len(traces) == 2
+    assert len(traces) == 3
 
 
 def test_one_trace_replays_every_prompt_pass_of_one_sequence_bit_for_bit(
@@ -164,7 +184,7 @@ def test_one_trace_replays_every_prompt_pass_of_one_sequence_bit_for_bit(
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), (context, prompt)
         assert_same_pools(traced.runner, eager.runner)
-    assert len(traces) == 2
+    assert len(traces) == 3
 
 
 def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
@@ -192,7 +212,7 @@ def test_a_packed_prompt_pass_replayed_as_one_sequence_is_the_packed_pass(
         got_pool, want_pool = traced.runner.pool, eager.runner.pool
         torch.testing.assert_close(got_pool.keys, want_pool.keys, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_pool.values, want_pool.values, rtol=1e-6, atol=1e-6)
-    assert len(traces) == 2
+    assert len(traces) == 3
 
 
 def test_a_prompt_pass_split_into_traced_parts_is_the_packed_pass(
@@ -237,3 +257,74 @@ def test_a_prompt_pass_split_into_traced_parts_is_the_packed_pass(
     got_pool, want_pool = traced.runner.pool, eager.runner.pool
     torch.testing.assert_close(got_pool.keys, want_pool.keys, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_pool.values, want_pool.values, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("sequences", "lengths"), [([(0, 2)], [1]), ([(37, 3), (150, 31)], [5, 90, 151])]
+)
+def test_a_prompt_pass_and_an_ar_step_as_one_pass_are_the_two_apart(
+    engines: tuple[Engine, Engine], sequences: list[tuple[int, int]], lengths: list[int]
+) -> None:
+    """A prompt pass and an AR step as one pass (`ModelRunner.joint_step`, the trace made on
+    scratch rows) give each clause and each row the latent and EOS flag that the pass and the
+    step give apart (eager), and write the same keys and values: the weights are read once."""
+    eager, traced = engines
+    half = eager.runner.blocks.num_pages // 2  # the pass's pages; the step's slots past them
+    first_slot = half * eager.runner.blocks.page_size
+
+    def inputs(runner: ModelRunner) -> tuple[PrefillInputs, GenerateInputs]:
+        prompt = prompt_inputs(runner, sequences, seed=5, pages=half)
+        return prompt, step_inputs(runner, lengths, seed=6, first_slot=first_slot)
+
+    prompt, ar_step = inputs(eager.runner)
+    apart = [eager.runner.prefill_step(prompt), eager.runner.generate_step(ar_step)]
+    want = [torch.cat(parts) for parts in zip(*apart, strict=True)]
+    got = traced.runner.joint_step(*inputs(traced.runner))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traced.runner.pool.keys, eager.runner.pool.keys)
+    torch.testing.assert_close(traced.runner.pool.values, eager.runner.pool.values)
+
+
+def test_a_split_prompt_pass_joins_the_ar_step_with_its_first_part(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Where passes split into traced parts, a pass of more clauses than a part joins the AR
+    step with its first part (`ModelRunner.prefill_and_generate`); each clause and row gets the
+    latent and EOS flag, and the pool the keys and values, of the pass and the step apart."""
+    eager, traced = engines
+    traced.runner.split_prompt_passes = True
+    sequences = [(0, 2), (37, 3), (150, 31), (5, 9), (12, 4), (60, 7)]
+    contexts = [4, 90, 33]
+    assert len(sequences) > TRACED_PROMPT_SEQUENCES and traced.runner.joins(len(sequences))
+
+    def requests(runner: ModelRunner) -> tuple[list, list, list, list]:
+        generator = torch.Generator().manual_seed(9)
+        width, latent_dim = runner.bos_input.shape[-1], runner.flow_lm.latent_dim
+        prompts = [
+            SimpleNamespace(
+                table=runner.blocks.allocate(context + prompt + 1),
+                prompt=torch.randn(prompt, width, generator=generator),
+                eos_threshold=float(torch.randn(1, generator=generator)),
+            )
+            for context, prompt in sequences
+        ]
+        rows = [
+            SimpleNamespace(
+                table=runner.blocks.allocate(context + 1),
+                previous_latent=torch.randn(latent_dim, generator=generator),
+                eos_threshold=float(torch.randn(1, generator=generator)),
+            )
+            for context in contexts
+        ]
+        noise = [torch.randn(latent_dim, generator=generator) for _ in [*prompts, *rows]]
+        return prompts, noise[: len(prompts)], rows, noise[len(prompts) :]
+
+    prompts, prompt_noise, rows, row_noise = requests(eager.runner)
+    apart = [eager.runner.prefill(prompts, prompt_noise), eager.runner.generate(rows, row_noise)]
+    want = [torch.cat(parts) for parts in zip(*apart, strict=True)]
+    got = traced.runner.prefill_and_generate(*requests(traced.runner))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traced.runner.pool.keys, eager.runner.pool.keys)
+    torch.testing.assert_close(traced.runner.pool.values, eager.runner.pool.values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, replace
 
 import numpy as np
@@ -19,6 +20,7 @@ from intone.engine import AudioChunk, ClauseDone, Engine, EngineConfig, Stream
 from intone.engine.generate import generate
 from intone.engine.loading import LoadedModel
 from intone.engine.options import GenerationOptions
+from intone.engine.request import Request
 from intone.engine.text import split_clauses
 from intone.engine.voices import Voice
 
@@ -197,6 +199,34 @@ def voice_pages(engine: Engine) -> int:
     return sum(
         engine.blocks.pages_for(prefix.table.length) for prefix in engine.scheduler.voices.values()
     )
+
+
+def on_prompt_passes(
+    engine: Engine,
+    before: Callable[[list[Request]], None],
+    after: Callable[[list[Request], torch.Tensor], None] | None = None,
+) -> None:
+    """Call `before(requests)` ahead of every prompt pass, alone (`ModelRunner.prefill`) or in
+    one pass with an AR step (`prefill_and_generate`), with the requests whose clauses it
+    prefills; and `after(requests, latents)` with their first latents, once it has run."""
+    runner = engine.runner
+    prefill, joint = runner.prefill, runner.prefill_and_generate
+
+    def alone(requests, noise):
+        before(requests)
+        latents, eos = prefill(requests, noise)
+        if after is not None:
+            after(requests, latents)
+        return latents, eos
+
+    def joined(requests, noise, generate, generate_noise):
+        before(requests)
+        latents, eos = joint(requests, noise, generate, generate_noise)
+        if after is not None:
+            after(requests, latents[: len(requests)])
+        return latents, eos
+
+    runner.prefill, runner.prefill_and_generate = alone, joined
 
 
 def slow_decoder(engine: Engine, seconds: float) -> None:

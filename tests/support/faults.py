@@ -18,6 +18,7 @@ from support.engine import (
     Outcome,
     Reference,
     check_outcome,
+    on_prompt_passes,
     options,
 )
 
@@ -63,21 +64,20 @@ def inject(engine, stage: str, culprit) -> dict:
 
         engine.scheduler.start_clause = faulty_start
     elif stage == "prefill":
-        prefill = engine.runner.prefill
-
-        def faulty_prefill(requests, noise):
-            trip(involves(requests, culprit))
-            return prefill(requests, noise)
-
-        engine.runner.prefill = faulty_prefill
+        # A prompt pass joined with an AR step that fails runs again apart: there too.
+        on_prompt_passes(engine, lambda requests: trip(involves(requests, culprit)))
     elif stage == "ar_step":
-        generate = engine.runner.generate
+        generate, joint = engine.runner.generate, engine.runner.prefill_and_generate
 
         def faulty_generate(requests, noise):
             trip(involves(requests, culprit))
             return generate(requests, noise)
 
-        engine.runner.generate = faulty_generate
+        def faulty_joint(prefill, prefill_noise, requests, noise):
+            trip(involves(requests, culprit))
+            return joint(prefill, prefill_noise, requests, noise)
+
+        engine.runner.generate, engine.runner.prefill_and_generate = faulty_generate, faulty_joint
     elif stage == "noise":
         draw_noise = engine.runner.draw_noise
 
@@ -98,14 +98,12 @@ def inject(engine, stage: str, culprit) -> dict:
         # The culprit's first frame fails, whichever thread decodes it: the AR thread (while the
         # decoder is busy: slowed here), outside the pool, from latents alone, so the culprit's
         # is known by its value, taken from the prefill pass that computed it; or the decoder.
-        prefill, decode = engine.runner.prefill, engine.runner.decode
+        decode = engine.runner.decode
         decode_detached = engine.runner.decode_detached
         first: list[torch.Tensor] = []
 
-        def recorded_prefill(requests, noise):
-            latents, eos = prefill(requests, noise)
+        def record_first(requests, latents) -> None:
             first.extend(latents[i] for i, r in enumerate(requests) if r is culprit)
-            return latents, eos
 
         def faulty_decode_detached(latents, histories):
             trip(bool(first) and any(torch.equal(row[0], first[0]) for row in latents))
@@ -116,7 +114,7 @@ def inject(engine, stage: str, culprit) -> dict:
             trip(culprit.frames_delivered == 0 and culprit.decoder_slot in slots)
             return decode(slots, latents)
 
-        engine.runner.prefill = recorded_prefill
+        on_prompt_passes(engine, lambda requests: None, record_first)
         engine.runner.decode_detached = faulty_decode_detached
         engine.runner.decode = faulty_slow_decode
     return counts
