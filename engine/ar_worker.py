@@ -21,7 +21,12 @@ from collections.abc import Callable
 import torch
 
 from intone.engine.block_manager import BlockManager
-from intone.engine.config import FIRST_FRAMES_ON_AR, HANDOVER_CALLS, PACING_POLL_S
+from intone.engine.config import (
+    FIRST_FRAMES_ON_AR,
+    HANDOVER_CALLS,
+    PACING_POLL_S,
+    TRACED_PROMPT_SEQUENCES,
+)
 from intone.engine.decoder_worker import (
     ClauseEndItem,
     DecoderWorker,
@@ -230,9 +235,10 @@ class ARWorker:
     def _step(self, prefill: list[Request], generate: list[Request]) -> None:
         """One packed prefill pass, which also takes each prefilled clause's first AR step, and
         one AR step for the other rows: as one pass where the runner `joins` them (the weights
-        read once), else the pass, then a step that the prefilled rows join too (a clause's
-        second latent comes a step sooner). A failure is pinned on the rows that fail alone. A
-        clause whose first step an ending prepared joins as a prefilled one."""
+        read once; a split pass's other parts after it, their rows joining a step of their
+        own), else the pass, then a step that the prefilled rows join too (a clause's second
+        latent comes a step sooner). A failure is pinned on the rows that fail alone. A clause
+        whose first step an ending prepared joins as a prefilled one."""
         noise_of: dict[str, torch.Tensor] = {}
         ready = [r for r in prefill if r.first_step is not None]
         prefill = self._prepare([r for r in prefill if r.first_step is None], noise_of)
@@ -261,12 +267,13 @@ class ARWorker:
             if prepared:
                 generate += self._started(prepared, generate, noise_of)
             if prefill and generate and self.runner.joins(len(prefill)):
-                joint = self._joint_pass(prefill, generate, noise_of)
+                # A split pass's first part: its other parts run after the step's latents are out.
+                joint = self._joint_pass(prefill[:TRACED_PROMPT_SEQUENCES], generate, noise_of)
                 if joint is not None:
                     first, stepped = joint
                     self._start_generating(first)
                     self._emit([*first, *stepped])
-                    return
+                    prefill, generate = prefill[TRACED_PROMPT_SEQUENCES:], []
             if prefill:
                 positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
                 first, seconds = run("prefill", "prefill", self.runner.prefill, prefill)

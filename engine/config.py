@@ -32,6 +32,12 @@ PREFILL_MARGIN_S = 0.1
 # new streams, either model, on the Xeon). With `PREFILL_MARGIN_S` there, a new stream's one
 # frame (80 ms) left room for one clause a pass, and a wave's first clauses queued.
 JOINED_PREFILL_MARGIN_S = 0.04
+# A prompt pass joins the AR step (`ModelRunner.joins`) where that saves at least this much a
+# pass, timed at warm-up (`ModelRunner.prepare_ar_traces`): a new clause's second latent then
+# comes a step later, which only a saving for every playing stream's step pays for. On a Xeon
+# core, a clause of 8 positions beside 16 rows: full size 25 against 36 ms apart, the 2M model 3.0
+# against 3.9; in the agent bench at c=64 the 2M model's p95 was 216-316 ms joined against 189-318.
+JOINT_MIN_SAVING_S = 0.005
 # How many recent prompt passes that cost is fitted to (`pass_cost.PromptPassCost`): a second or
 # two of them under load, so it follows the machine's speed.
 PASS_COST_MEMORY = 32

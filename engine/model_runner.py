@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from intone.engine.block_manager import BlockManager, PageTable
 from intone.engine.config import (
     DECODE_SPLIT_ROWS,
+    JOINT_MIN_SAVING_S,
     ROW_CONTEXT_FAULT_IN_POSITIONS,
     ROW_CONTEXT_POOL_MULTIPLE,
     ROW_CONTEXT_POSITIONS,
@@ -145,6 +147,9 @@ class ModelRunner:
         # Whether a prompt pass of more than `TRACED_PROMPT_SEQUENCES` sequences runs as traced
         # parts of that many (`prefill`): timed on this model by `prepare_ar_traces`.
         self.split_prompt_passes = False
+        # Whether a prompt pass and an AR step run as one pass (`joins`): timed on this model by
+        # `prepare_ar_traces`.
+        self.join_passes = False
         # Stage calls count themselves busy so torch's threads follow the busy stage.
         self.threads = thread_budget
         self.decoder = make_decoder(
@@ -507,11 +512,12 @@ class ModelRunner:
     # ---- a prompt pass and an AR step as one pass
 
     def joins(self, prompts: int) -> bool:
-        """Whether a prompt pass of `prompts` clauses may run in one pass with an AR step
-        (`prefill_and_generate`): beside the native attention, a pass of one sequence
-        (`plan_one_sequence`), or its first part where passes split into such parts."""
+        """Whether a prompt pass of `prompts` clauses runs in one pass with an AR step
+        (`prefill_and_generate`): where that was timed to pay (`join_passes`), a pass of one
+        sequence (`plan_one_sequence`), or its first part where passes split into such parts
+        (the others then run apart, after the step's latents are out)."""
         one_sequence = prompts <= TRACED_PROMPT_SEQUENCES or self.split_prompt_passes
-        return self.native_row_attention and prompts > 0 and one_sequence
+        return self.join_passes and prompts > 0 and one_sequence
 
     def prefill_and_generate(
         self,
@@ -523,23 +529,14 @@ class ModelRunner:
         """`prefill` and `generate` in one pass (where `joins`): (latents, EOS flags) of the
         clauses of `prefill`, then of the rows of `generate`, each in its list's order, on the
         device. The weights are read once: at full size an AR step of 2 rows took 15.9 ms and of
-        16 rows 22.9 (one Xeon core), so a pass and a step apart read them for ~16 ms twice. Of
-        a pass split into parts (`split_prompt_passes`), the first joins the step."""
-        part = TRACED_PROMPT_SEQUENCES  # the rest of a split pass runs in parts of its own
-        prompt = self.prefill_inputs(prefill[:part], prefill_noise[:part])
+        16 rows 22.9 (one Xeon core), so a pass and a step apart read them for ~16 ms twice. At
+        most `TRACED_PROMPT_SEQUENCES` clauses: a pass of one sequence (`plan_one_sequence`)."""
+        prompt = self.prefill_inputs(prefill, prefill_noise)
         step = self.generate_inputs(generate, generate_noise)
         latents, eos = self.joint_step(prompt, step)
-        joined = min(part, len(prefill))
-        first = torch.arange(joined, device=self.device)
-        order = torch.cat([first, step.back + joined])
-        latents, eos = latents.index_select(0, order), eos.index_select(0, order)
-        if len(prefill) > part:
-            rest = self.prefill(prefill[part:], prefill_noise[part:])
-            latents, eos = (
-                torch.cat([t[:joined], r, t[joined:]])
-                for t, r in zip((latents, eos), rest, strict=True)
-            )
-        return latents, eos
+        first = torch.arange(len(prefill), device=self.device)
+        order = torch.cat([first, step.back + len(prefill)])
+        return latents.index_select(0, order), eos.index_select(0, order)
 
     @torch.no_grad()
     def joint_step(
@@ -683,6 +680,50 @@ class ModelRunner:
                 # It stays eager (traces.TraceCache); a warm-up must not stop serving.
                 logger.warning("%s trace failed: eager", name, exc_info=True)
         self.split_prompt_passes = self._split_passes_pay()
+        self.join_passes = self._joint_passes_pay()
+
+    def _joint_passes_pay(self) -> bool:
+        """Whether a prompt pass of one clause and an AR step of 16 rows take at least
+        `JOINT_MIN_SAVING_S` less as one pass than apart, on scratch prompts and rows (best of
+        three): the saving is the weights read once, most of a call at full size and little
+        for a small model."""
+        rows, context, prompt = 16, 48, 8
+        per = -(-(context + prompt) // self.blocks.page_size) * self.blocks.page_size
+        pool = self._scratch_pool(rows + 1, context + prompt)
+        prefill = self._scratch_prompt_pass(pool, range(1), prompt, context, as_one=True)
+        steps = [SequenceStep(torch.arange(context + 1) + (i + 1) * per, 1) for i in range(rows)]
+        contexts = RowContexts(pool, rows, CONTEXT_RUN, self.row_contexts.keys.dtype)
+        order, positions, attention = plan_row_context_step(
+            contexts, steps, [None] * rows, native=True, upload=self.io.upload
+        )
+        zeros = torch.zeros(rows, self.flow_lm.latent_dim, device=self.device)
+        order_t = self.io.upload(torch.tensor(order))
+        step = GenerateInputs(
+            zeros, positions, attention, zeros, zeros[:, 0], order_t, rows, order_t
+        )
+
+        def best(call: Callable[[], object]) -> float:
+            times = []
+            for _ in range(4):  # the first call warms up
+                started = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - started)
+            return min(times[1:])
+
+        def apart() -> None:
+            self.io.values(self.prefill_step(prefill)[1])
+            self.io.values(self.generate_step(step)[1])
+
+        try:
+            apart_s = best(apart)
+            joint_s = best(lambda: self.io.values(self.joint_step(prefill, step)[1]))
+        except Exception:
+            logger.warning("timing a joint pass failed: passes run apart", exc_info=True)
+            return False
+        logger.debug(
+            "a pass and a step: %.1f ms apart, %.1f ms as one", apart_s * 1e3, joint_s * 1e3
+        )
+        return apart_s - joint_s >= JOINT_MIN_SAVING_S
 
     def _split_passes_pay(self) -> bool:
         """Whether a prompt pass of `2 * TRACED_PROMPT_SEQUENCES` short sequences takes less time

@@ -86,15 +86,17 @@ MIXED_PLAN = [
 
 
 @pytest.mark.parametrize(
-    ("temperature", "chain_frames", "batch_buckets", "traced"),
+    ("temperature", "chain_frames", "batch_buckets", "traced", "joined"),
     [
-        (0.0, 4, None, False),
-        (0.0, 0, None, False),
-        (0.3, 4, None, False),
-        (0.3, 0, None, False),
-        (0.3, 4, (2, 4, 8, 16), False),  # AR batches padded to fixed sizes
+        (0.0, 4, None, False, False),
+        (0.0, 0, None, False, False),
+        (0.3, 4, None, False, False),
+        (0.3, 0, None, False, False),
+        (0.3, 4, (2, 4, 8, 16), False, False),  # AR batches padded to fixed sizes
         # Every AR step and decode call replays a trace made on scratch rows before serving.
-        (0.3, 4, None, True),
+        (0.3, 4, None, True, False),
+        # Prompt passes in one pass with the AR step (`ModelRunner.join_passes`), traced.
+        (0.3, 4, None, True, True),
     ],
 )
 async def test_concurrent_requests_equal_the_single_path(
@@ -104,12 +106,22 @@ async def test_concurrent_requests_equal_the_single_path(
     chain_frames: int,
     batch_buckets: tuple[int, ...] | None,
     traced: bool,
+    joined: bool,
 ) -> None:
     engine = make_engine(batch_buckets=batch_buckets, trace_after=1 if traced else None)
     if traced:
         engine.prepare_traces()
         ar_traces = engine.runner.ar_traces
         assert ar_traces is not None and len(ar_traces) == 3
+    engine.runner.join_passes = joined
+    joint_passes = []
+    joint = engine.runner.prefill_and_generate
+
+    def counted(*args):
+        joint_passes.append(len(args[0]))
+        return joint(*args)
+
+    engine.runner.prefill_and_generate = counted
     floor = voice_pages(engine)
     assert engine.metrics()["kv_pages_in_use"] == floor
     jobs = [
@@ -128,6 +140,7 @@ async def test_concurrent_requests_equal_the_single_path(
     # The requests really ran side by side.
     m = engine.metrics()
     assert m["generate_batch_mean"] > 1.5 and m["decode_batch_mean"] > 1.2, m
+    assert bool(joint_passes) == joined, joint_passes
     await wait_idle(engine, floor)
     m = engine.metrics()
     assert m["requests_completed"] == 7 and m["requests_cancelled"] == 2

@@ -67,8 +67,14 @@ FAIL_WITHIN = 1.0  # seconds for every open stream to end after an unrecoverable
 @pytest.mark.parametrize(
     "stage", ["start_clause", "prefill", "ar_step", "noise", "decode", "first_frame"]
 )
-async def test_a_fault_ends_only_its_request(make_engine, reference: Reference, stage: str) -> None:
+@pytest.mark.parametrize("joined", [False, True])
+async def test_a_fault_ends_only_its_request(
+    make_engine, reference: Reference, stage: str, joined: bool
+) -> None:
+    """`joined`: prompt passes run in one pass with the AR step (`ModelRunner.join_passes`); a
+    joint pass that fails runs the two apart, where the fault ends its request alone."""
     engine = make_engine()
+    engine.runner.join_passes = joined
     floor = voice_pages(engine)
     streams = open_streams(engine)
     counts = inject(engine, stage, streams[CULPRIT].request)
