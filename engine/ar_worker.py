@@ -275,10 +275,8 @@ class ARWorker:
                     self._emit([*first, *stepped])
                     prefill, generate = prefill[TRACED_PROMPT_SEQUENCES:], []
             if prefill:
-                positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
                 first, seconds = run("prefill", "prefill", self.runner.prefill, prefill)
-                if positions:
-                    self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
+                self._observe_pass(prefill, seconds)
                 if first:
                     generate += self._started(first, generate, noise_of)
             if generate:
@@ -323,7 +321,6 @@ class ARWorker:
         (`ModelRunner.prefill_and_generate`): the clauses' first latents and the rows' next, each
         with its EOS flag. None if it fails: the pass and the step then run apart, each retried
         row by row, on the same pages and noise."""
-        positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
         started = time.perf_counter()
         try:
             latents, eos = self.runner.prefill_and_generate(
@@ -341,9 +338,16 @@ class ARWorker:
         self.metrics.step("prefill", len(prefill), seconds)
         self.metrics.step("generate", len(generate), seconds)
         # The step that comes with it is what the streams near an underrun wait for anyway.
-        self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
+        self._observe_pass(prefill, seconds)
         first = list(zip(prefill, done[: len(prefill)], strict=True))
         return first, list(zip(generate, done[len(prefill) :], strict=True))
+
+    def _observe_pass(self, prefill: list[Request], seconds: float) -> None:
+        """What a prompt pass over `prefill` cost, before it cleared their prompts, for the
+        scheduler (`Scheduler.prompt_pass_cost`)."""
+        positions = sum(r.prompt.shape[0] for r in prefill if r.prompt is not None)
+        if positions:
+            self.scheduler.prompt_pass_cost.observe(len(prefill), positions, seconds)
 
     def _prefill_drafts(self, drafts: list[DraftPass], endings: list[EndingPass]) -> None:
         """Prefill first clauses' drafts and prepare endings, in one pass (the AR stage has

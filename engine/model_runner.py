@@ -702,21 +702,13 @@ class ModelRunner:
             zeros, positions, attention, zeros, zeros[:, 0], order_t, rows, order_t
         )
 
-        def best(call: Callable[[], object]) -> float:
-            times = []
-            for _ in range(4):  # the first call warms up
-                started = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - started)
-            return min(times[1:])
-
         def apart() -> None:
             self.io.values(self.prefill_step(prefill)[1])
             self.io.values(self.generate_step(step)[1])
 
         try:
-            apart_s = best(apart)
-            joint_s = best(lambda: self.io.values(self.joint_step(prefill, step)[1]))
+            apart_s = best_seconds(apart)
+            joint_s = best_seconds(lambda: self.io.values(self.joint_step(prefill, step)[1]))
         except Exception:
             logger.warning("timing a joint pass failed: passes run apart", exc_info=True)
             return False
@@ -741,17 +733,12 @@ class ModelRunner:
             for first in range(0, count, part)
         ]
 
-        def best(passes: list[PrefillInputs]) -> float:
-            times = []
-            for _ in range(4):  # the first call warms up
-                started = time.perf_counter()
-                for pass_inputs in passes:
-                    self.io.values(self.prefill_step(pass_inputs)[1])
-                times.append(time.perf_counter() - started)
-            return min(times[1:])
+        def run(passes: list[PrefillInputs]) -> None:
+            for pass_inputs in passes:
+                self.io.values(self.prefill_step(pass_inputs)[1])
 
         try:
-            packed_s, split_s = best(packed), best(split)
+            packed_s, split_s = best_seconds(lambda: run(packed)), best_seconds(lambda: run(split))
         except Exception:
             logger.warning("timing split prompt passes failed: they stay packed", exc_info=True)
             return False
@@ -825,6 +812,16 @@ class ModelRunner:
         index = self.io.upload(torch.tensor([slots[i] for i in order]))
         audio = self.decode_step(index, latents[self.io.upload(torch.tensor(order))])
         return audio.index_select(0, self.io.upload(torch.tensor(back)))
+
+
+def best_seconds(call: Callable[[], object]) -> float:
+    """The least seconds of three calls of `call`, after one that warms it up."""
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return min(times[1:])
 
 
 def new_ar_traces(config: EngineConfig) -> traces.TraceCache | None:
