@@ -657,17 +657,7 @@ class ModelRunner:
         if self.ar_traces is None:
             return
         pool = self._scratch_pool(1, 2)
-        step = SequenceStep(torch.zeros(1, dtype=torch.long), 1)
-        _, positions, attention = plan_row_context_step(
-            RowContexts(pool, 1, CONTEXT_RUN, self.row_contexts.keys.dtype),
-            [step],
-            [None],
-            native=True,
-            upload=self.io.upload,
-        )
-        zeros = torch.zeros(1, self.flow_lm.latent_dim, device=self.device)
-        first = torch.zeros(1, dtype=torch.long, device=self.device)
-        generate = GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], first, 1, first)
+        generate = self._scratch_step(pool, range(1), context=0, span=0)
         prefill = self._scratch_prompt_pass(pool, range(1), prompt=2, context=0, as_one=True)
         for name, call in (
             ("AR step", lambda: self.generate_step(generate, trace_now=True)),
@@ -688,19 +678,10 @@ class ModelRunner:
         three): the saving is the weights read once, most of a call at full size and little
         for a small model."""
         rows, context, prompt = 16, 48, 8
-        per = -(-(context + prompt) // self.blocks.page_size) * self.blocks.page_size
+        span = -(-(context + prompt) // self.blocks.page_size) * self.blocks.page_size
         pool = self._scratch_pool(rows + 1, context + prompt)
         prefill = self._scratch_prompt_pass(pool, range(1), prompt, context, as_one=True)
-        steps = [SequenceStep(torch.arange(context + 1) + (i + 1) * per, 1) for i in range(rows)]
-        contexts = RowContexts(pool, rows, CONTEXT_RUN, self.row_contexts.keys.dtype)
-        order, positions, attention = plan_row_context_step(
-            contexts, steps, [None] * rows, native=True, upload=self.io.upload
-        )
-        zeros = torch.zeros(rows, self.flow_lm.latent_dim, device=self.device)
-        order_t = self.io.upload(torch.tensor(order))
-        step = GenerateInputs(
-            zeros, positions, attention, zeros, zeros[:, 0], order_t, rows, order_t
-        )
+        step = self._scratch_step(pool, range(1, rows + 1), context, span)
 
         def apart() -> None:
             self.io.values(self.prefill_step(prefill)[1])
@@ -783,6 +764,26 @@ class ModelRunner:
         zeros = torch.zeros(count, self.flow_lm.latent_dim, device=self.device)
         prompts = torch.zeros(count * prompt, self.bos_input.shape[-1], device=self.device)
         return PrefillInputs(prompts, positions, attention, last, zeros, zeros[:, 0])
+
+    def _scratch_step(
+        self, pool: KVPool, sequences: range, context: int, span: int
+    ) -> GenerateInputs:
+        """An AR step on a scratch `pool`: a row per sequence i of `sequences`, its `context`
+        positions and the new one from slot i x `span` on, in dense contexts of its own; zero
+        latents and noise."""
+        rows = len(sequences)
+        steps = [SequenceStep(torch.arange(context + 1) + i * span, 1) for i in sequences]
+        order, positions, attention = plan_row_context_step(
+            RowContexts(pool, rows, CONTEXT_RUN, self.row_contexts.keys.dtype),
+            steps,
+            [None] * rows,
+            native=True,
+            upload=self.io.upload,
+        )
+        zeros = torch.zeros(rows, self.flow_lm.latent_dim, device=self.device)
+        order_t = self.io.upload(torch.tensor(order))
+        back = self.io.upload(torch.argsort(torch.tensor(order)))
+        return GenerateInputs(zeros, positions, attention, zeros, zeros[:, 0], order_t, rows, back)
 
     @torch.no_grad()
     def prepare_decoder_traces(self) -> None:
