@@ -318,8 +318,9 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     decoder worker may first end a call in flight, then take one of its own for the stream's
     next frame), they are decoded together, from a fresh history, so that the first audio has
     160 ms to play; otherwise each as it comes, the first from a fresh history, the second from
-    the one the first left. The prefilled row takes the next AR step (in one pass with the
-    busy stream's step, or the step after the pass). The audio is unchanged."""
+    the one the first left. The prefilled row joins the prefill iteration's AR step (this
+    engine runs its passes apart from the step: `ModelRunner.join_passes` is off). The audio is
+    unchanged."""
     monkeypatch.setattr(ar_worker, "HANDOVER_CALLS", 1000 if calls_outlast_a_frame else 0)
     engine = make_engine(lead_s=None)
     slow_decoder(engine, 0.05)  # busy with the other stream's backlog
@@ -356,7 +357,8 @@ async def test_a_new_streams_first_audio_is_decoded_where_its_latents_come(
     outcome = Outcome(await asyncio.wait_for(drain(new), TIMEOUT))
     busy.cancel()
     start = events.index("prefill")
-    # The new stream's second latent comes from the AR step after its prompt pass.
+    # The busy stream was generating, so the new stream's prefill shared an iteration with an
+    # AR step, which the new stream joined.
     if calls_outlast_a_frame:
         want = ["prefill", "generate with new", f"1x{FIRST_FRAMES_ON_AR} frames fresh"]
     else:
